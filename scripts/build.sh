@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Configures and builds dspark into build/ (Release). CUDA sources are compiled
+# when nvcc is on the PATH or in /usr/local/cuda.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x /usr/local/cuda/bin/nvcc ] && export PATH="/usr/local/cuda/bin:$PATH"
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build -j "$(nproc)"

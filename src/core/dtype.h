@@ -1,0 +1,40 @@
+// Storage dtypes and their conversion to the f32 compute dtype of the CPU path.
+// bf16 and f16 conversions round to nearest even, as PyTorch does.
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+
+namespace dspark {
+
+enum class Dtype { F32, BF16, F16 };
+
+// "F32" | "BF16" | "F16" (safetensors spelling); anything else is an Error
+// naming `where`.
+Dtype dtype_from_name(std::string_view name, const std::string& where);
+const char* dtype_name(Dtype dtype);
+size_t dtype_size(Dtype dtype);
+
+inline float bf16_to_f32(uint16_t bits) {
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, 4);
+  return value;
+}
+
+inline uint16_t f32_to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+float f16_to_f32(uint16_t bits);
+uint16_t f32_to_f16(float value);
+
+// Converts `count` elements stored as `dtype` at `source` to f32.
+void convert_to_f32(Dtype dtype, const void* source, float* destination, size_t count);
+
+}  // namespace dspark

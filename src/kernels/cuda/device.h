@@ -1,0 +1,13 @@
+// The CUDA devices this process can see.
+#pragma once
+#include <string>
+
+namespace dspark::cuda {
+
+// Number of usable CUDA devices; 0 when there is no driver or no GPU.
+int device_count();
+
+// "NVIDIA H200, 132 SMs, 139.8 GiB, cc 9.0" for device `index`.
+std::string device_description(int index);
+
+}  // namespace dspark::cuda
