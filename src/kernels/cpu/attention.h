@@ -1,0 +1,18 @@
+// Causal multi-head attention of a run of new query tokens over one
+// sequence's KV cache (grouped-query: kv_heads divides heads).
+//   q     [rows, heads, head_dim]       rows = new tokens, at positions
+//                                       first_position .. first_position+rows-1
+//   keys, values [>= first_position+rows, kv_heads, head_dim]  (the cache,
+//                                       already holding the new tokens)
+//   out   [rows, heads, head_dim]
+// Query r attends to cache positions 0 .. first_position + r; scale
+// head_dim^-0.5. `scores` is scratch of at least first_position + rows floats.
+#pragma once
+
+namespace dspark::cpu {
+
+void attention_forward(float* out, const float* q, const float* keys, const float* values,
+                       int rows, int first_position, int heads, int kv_heads, int head_dim,
+                       float* scores);
+
+}  // namespace dspark::cpu

@@ -1,0 +1,22 @@
+#include "kernels/cpu/matmul.h"
+
+#include <cblas.h>
+
+namespace dspark::cpu {
+
+void matmul_forward(float* out, const float* x, const float* weight, const float* bias, int rows,
+                    int in_features, int out_features) {
+  if (rows == 1) {  // decode: a matrix-vector product streams the weight once
+    cblas_sgemv(CblasRowMajor, CblasNoTrans, out_features, in_features, 1.0f, weight, in_features,
+                x, 1, 0.0f, out, 1);
+  } else {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, out_features, in_features, 1.0f, x,
+                in_features, weight, in_features, 0.0f, out, out_features);
+  }
+  if (bias)
+    for (int row = 0; row < rows; ++row)
+      for (int column = 0; column < out_features; ++column)
+        out[static_cast<long>(row) * out_features + column] += bias[column];
+}
+
+}  // namespace dspark::cpu

@@ -1,0 +1,12 @@
+// Matrix products of activations with weights, through OpenBLAS.
+// Shapes: x [rows, in], weight [out, in] (the PyTorch nn.Linear layout, as
+// stored in HF checkpoints), bias [out] or null, out [rows, out].
+#pragma once
+
+namespace dspark::cpu {
+
+// out = x @ weight^T (+ bias)
+void matmul_forward(float* out, const float* x, const float* weight, const float* bias, int rows,
+                    int in_features, int out_features);
+
+}  // namespace dspark::cpu

@@ -1,0 +1,87 @@
+#include "kernels/cpu/sampling.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+namespace dspark::cpu {
+
+int32_t argmax(const float* logits, int vocab) {
+  int32_t best = 0;
+  for (int32_t i = 1; i < vocab; ++i)
+    if (logits[i] > logits[best]) best = i;
+  return best;
+}
+
+void processed_distribution(float* probs, const float* logits, int vocab,
+                            const SamplingParams& params, std::vector<int32_t>& order) {
+  if (params.greedy()) {
+    std::fill(probs, probs + vocab, 0.0f);
+    probs[argmax(logits, vocab)] = 1.0f;
+    return;
+  }
+  const float maximum = *std::max_element(logits, logits + vocab);
+  double total = 0.0;
+  for (int i = 0; i < vocab; ++i) {
+    probs[i] = std::exp((logits[i] - maximum) / params.temperature);
+    total += probs[i];
+  }
+  for (int i = 0; i < vocab; ++i) probs[i] = static_cast<float>(probs[i] / total);
+  const bool use_top_k = params.top_k > 0 && params.top_k < vocab;
+  const bool use_top_p = params.top_p < 1.0f;
+  if (!use_top_k && !use_top_p) return;
+
+  order.resize(vocab);
+  std::iota(order.begin(), order.end(), 0);
+  // Descending probability; ties broken by index so the result is deterministic.
+  auto descending = [&](int32_t a, int32_t b) {
+    return probs[a] > probs[b] || (probs[a] == probs[b] && a < b);
+  };
+  int kept = vocab;
+  if (use_top_k) {
+    std::partial_sort(order.begin(), order.begin() + params.top_k, order.end(), descending);
+    const float kth = probs[order[params.top_k - 1]];
+    kept = params.top_k;  // HF keeps every token tied with the k-th
+    std::sort(order.begin() + kept, order.end(), descending);
+    while (kept < vocab && probs[order[kept]] == kth) ++kept;
+  } else {
+    std::sort(order.begin(), order.end(), descending);
+  }
+  if (use_top_p) {
+    // Mass of the kept set, renormalised as HF renormalises after top-k.
+    double kept_mass = 0.0;
+    for (int i = 0; i < kept; ++i) kept_mass += probs[order[i]];
+    // Keep token i while the mass strictly before it is below top_p (HF's
+    // "remove where ascending cumulative <= 1 - top_p"); at least one token.
+    double before = 0.0;
+    int head = 0;
+    while (head < kept && before / kept_mass < params.top_p) before += probs[order[head++]];
+    kept = std::max(head, 1);
+  }
+  double kept_mass = 0.0;
+  for (int i = 0; i < kept; ++i) kept_mass += probs[order[i]];
+  for (int i = kept; i < vocab; ++i) probs[order[i]] = 0.0f;
+  for (int i = 0; i < kept; ++i) probs[order[i]] = static_cast<float>(probs[order[i]] / kept_mass);
+}
+
+int32_t sample_from_distribution(const float* probs, int vocab, double uniform) {
+  double cumulative = 0.0;
+  int32_t last_nonzero = 0;
+  for (int32_t i = 0; i < vocab; ++i) {
+    if (probs[i] <= 0.0f) continue;
+    cumulative += probs[i];
+    last_nonzero = i;
+    if (uniform < cumulative) return i;
+  }
+  return last_nonzero;  // rounding left the total a hair under 1
+}
+
+int32_t sample_token(const float* logits, int vocab, const SamplingParams& params, Rng& rng,
+                     std::vector<float>& probs, std::vector<int32_t>& order) {
+  if (params.greedy()) return argmax(logits, vocab);
+  probs.resize(vocab);
+  processed_distribution(probs.data(), logits, vocab, params, order);
+  return sample_from_distribution(probs.data(), vocab, rng.uniform());
+}
+
+}  // namespace dspark::cpu

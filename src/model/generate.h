@@ -1,0 +1,40 @@
+// Plain autoregressive generation with the target alone: prefill the prompt,
+// then one forward per new token. The reference the speculative engine must
+// reproduce exactly at temperature 0.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/sampling.h"
+#include "model/transformer.h"
+
+namespace dspark {
+
+struct GenerateOptions {
+  int max_new_tokens = 128;
+  cpu::SamplingParams sampling;  // temperature 0: greedy
+  uint64_t seed = 0;
+  bool ignore_eos = false;
+};
+
+struct GenerateResult {
+  std::vector<int32_t> tokens;   // generated ids, the stopping EOS included
+  std::string stop_reason;       // "eos" | "length" | "context"
+  double prefill_seconds = 0.0;  // the prompt's forward
+  double decode_seconds = 0.0;   // everything after it
+};
+
+// Throws if the prompt is empty or does not leave room for one new token in
+// the model's context. `on_token` sees each id as it is generated.
+GenerateResult generate(const Transformer& model, std::span<const int32_t> prompt,
+                        const GenerateOptions& options,
+                        const std::function<void(int32_t)>& on_token = {});
+
+// The error a prompt that leaves no room in the context gets; shared by every
+// entry point that accepts prompts.
+void check_prompt_fits(const ModelConfig& config, size_t prompt_tokens);
+
+}  // namespace dspark

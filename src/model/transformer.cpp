@@ -1,0 +1,192 @@
+#include "model/transformer.h"
+
+#include <algorithm>
+#include <string>
+
+#include "core/error.h"
+#include "core/safetensors.h"
+#include "kernels/cpu/activation.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/embedding.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/rmsnorm.h"
+#include "kernels/cpu/rope.h"
+
+namespace dspark {
+
+Transformer load_transformer(const std::filesystem::path& directory) {
+  Transformer model;
+  model.config = load_model_config(directory);
+  const ModelConfig& c = model.config;
+  const SafetensorsCheckpoint checkpoint(directory);
+  const int64_t H = c.hidden_size, F = c.intermediate_size, V = c.vocab_size;
+  const int64_t q_size = int64_t{c.num_heads} * c.head_dim, kv_size = int64_t{c.num_kv_heads} * c.head_dim;
+  auto optional = [&](const std::string& name, const Shape& shape) {
+    return checkpoint.contains(name) ? checkpoint.load(name, shape) : Tensor{};
+  };
+
+  model.embed_tokens = checkpoint.load("model.embed_tokens.weight", {V, H});
+  model.final_norm = checkpoint.load("model.norm.weight", {H});
+  if (c.tie_word_embeddings) {
+    model.lm_head = model.embed_tokens;
+  } else {
+    model.lm_head = checkpoint.load("lm_head.weight", {V, H});
+  }
+  for (int i = 0; i < c.num_layers; ++i) {
+    const std::string prefix = "model.layers." + std::to_string(i) + ".";
+    LayerWeights layer;
+    layer.input_norm = checkpoint.load(prefix + "input_layernorm.weight", {H});
+    layer.q_proj = checkpoint.load(prefix + "self_attn.q_proj.weight", {q_size, H});
+    layer.k_proj = checkpoint.load(prefix + "self_attn.k_proj.weight", {kv_size, H});
+    layer.v_proj = checkpoint.load(prefix + "self_attn.v_proj.weight", {kv_size, H});
+    layer.o_proj = checkpoint.load(prefix + "self_attn.o_proj.weight", {H, q_size});
+    if (c.attention_bias) {
+      layer.q_bias = checkpoint.load(prefix + "self_attn.q_proj.bias", {q_size});
+      layer.k_bias = checkpoint.load(prefix + "self_attn.k_proj.bias", {kv_size});
+      layer.v_bias = checkpoint.load(prefix + "self_attn.v_proj.bias", {kv_size});
+      layer.o_bias = optional(prefix + "self_attn.o_proj.bias", {H});  // Llama has it, Qwen3 not
+    }
+    if (c.qk_norm) {
+      layer.q_norm = checkpoint.load(prefix + "self_attn.q_norm.weight", {c.head_dim});
+      layer.k_norm = checkpoint.load(prefix + "self_attn.k_norm.weight", {c.head_dim});
+    }
+    layer.post_attention_norm = checkpoint.load(prefix + "post_attention_layernorm.weight", {H});
+    layer.gate_proj = checkpoint.load(prefix + "mlp.gate_proj.weight", {F, H});
+    layer.up_proj = checkpoint.load(prefix + "mlp.up_proj.weight", {F, H});
+    layer.down_proj = checkpoint.load(prefix + "mlp.down_proj.weight", {H, F});
+    if (c.mlp_bias) {
+      layer.gate_bias = checkpoint.load(prefix + "mlp.gate_proj.bias", {F});
+      layer.up_bias = checkpoint.load(prefix + "mlp.up_proj.bias", {F});
+      layer.down_bias = checkpoint.load(prefix + "mlp.down_proj.bias", {H});
+    }
+    model.layers.push_back(std::move(layer));
+  }
+  model.rope_inverse_frequency = rope_inverse_frequencies(c);
+  return model;
+}
+
+namespace {
+
+template <class T>
+T* grow(std::vector<T>& buffer, size_t count) {
+  if (buffer.size() < count) buffer.resize(count);
+  return buffer.data();
+}
+
+// Copies the residual stream x [T, H] into tap slot `slot` of taps [T, m, H].
+void copy_tap(float* taps, const float* x, int rows, int hidden, int slot, int tap_count) {
+  for (int row = 0; row < rows; ++row)
+    std::copy_n(x + static_cast<long>(row) * hidden, hidden,
+                taps + (static_cast<long>(row) * tap_count + slot) * hidden);
+}
+
+}  // namespace
+
+void transformer_forward(const Transformer& model, std::span<const ForwardSequence> sequences,
+                         std::span<const int> tap_layers, ForwardWorkspace& work,
+                         ForwardOutput& output) {
+  const ModelConfig& c = model.config;
+  const int H = c.hidden_size, F = c.intermediate_size, V = c.vocab_size, hd = c.head_dim;
+  const int nh = c.num_heads, nkv = c.num_kv_heads;
+  const int q_size = nh * hd, kv_size = nkv * hd;
+  const int m = static_cast<int>(tap_layers.size());
+  for (int tap : tap_layers)
+    DSPARK_CHECK(tap >= 0 && tap <= c.num_layers, "tap index ", tap, " is outside 0..", c.num_layers);
+
+  // Gather the batch: tokens and absolute positions of all T rows.
+  int T = 0, logit_rows = 0, longest = 0;
+  for (const ForwardSequence& sequence : sequences) {
+    const int count = static_cast<int>(sequence.tokens.size());
+    DSPARK_CHECK(count > 0, "a forward needs at least one token per sequence");
+    DSPARK_CHECK(sequence.cache->length() + count <= sequence.cache->capacity(), "context full: ",
+                 sequence.cache->length(), " + ", count, " tokens exceed the ",
+                 sequence.cache->capacity(), "-position KV cache");
+    T += count;
+    logit_rows += sequence.all_logits ? count : 1;
+    longest = std::max(longest, sequence.cache->length() + count);
+  }
+  int32_t* tokens = grow(work.tokens, T);
+  int* positions = grow(work.positions, T);
+  for (int row = 0; const ForwardSequence& sequence : sequences)
+    for (size_t i = 0; i < sequence.tokens.size(); ++i, ++row) {
+      DSPARK_CHECK(sequence.tokens[i] >= 0 && sequence.tokens[i] < V, "token id ", sequence.tokens[i],
+                   " is outside the vocabulary of ", V);
+      tokens[row] = sequence.tokens[i];
+      positions[row] = sequence.cache->length() + static_cast<int>(i);
+    }
+
+  float* x = grow(work.x, size_t(T) * H);
+  float* normed = grow(work.normed, size_t(T) * H);
+  float* q = grow(work.q, size_t(T) * q_size);
+  float* k = grow(work.k, size_t(T) * kv_size);
+  float* v = grow(work.v, size_t(T) * kv_size);
+  float* attention = grow(work.attention, size_t(T) * q_size);
+  float* projected = grow(work.projected, size_t(T) * H);
+  float* gate = grow(work.gate, size_t(T) * F);
+  float* up = grow(work.up, size_t(T) * F);
+  float* scores = grow(work.scores, size_t(longest));
+  output.taps.assign(m ? size_t(T) * m * H : 0, 0.0f);
+  auto record_taps = [&](int layer_index, const float* hidden) {
+    for (int slot = 0; slot < m; ++slot)
+      if (tap_layers[slot] == layer_index) copy_tap(output.taps.data(), hidden, T, H, slot, m);
+  };
+
+  cpu::embedding_forward(x, model.embed_tokens.data, tokens, T, H);
+  for (int l = 0; l < c.num_layers; ++l) {
+    const LayerWeights& w = model.layers[l];
+    // Attention block: x += o(attention(rope(norm(q)), rope(norm(k)), v)) on norm(x)
+    cpu::rmsnorm_forward(normed, x, w.input_norm.data, T, H, c.rms_norm_eps);
+    cpu::matmul_forward(q, normed, w.q_proj.data, w.q_bias.data, T, H, q_size);
+    cpu::matmul_forward(k, normed, w.k_proj.data, w.k_bias.data, T, H, kv_size);
+    cpu::matmul_forward(v, normed, w.v_proj.data, w.v_bias.data, T, H, kv_size);
+    if (c.qk_norm) {
+      cpu::rmsnorm_forward(q, q, w.q_norm.data, T * nh, hd, c.rms_norm_eps);
+      cpu::rmsnorm_forward(k, k, w.k_norm.data, T * nkv, hd, c.rms_norm_eps);
+    }
+    cpu::rope_forward(q, positions, T, nh, hd, model.rope_inverse_frequency.data());
+    cpu::rope_forward(k, positions, T, nkv, hd, model.rope_inverse_frequency.data());
+    for (int row = 0; const ForwardSequence& sequence : sequences) {
+      const int count = static_cast<int>(sequence.tokens.size());
+      const int start = sequence.cache->length();
+      float* keys = sequence.cache->keys(l);
+      float* values = sequence.cache->values(l);
+      std::copy_n(k + long(row) * kv_size, long(count) * kv_size, keys + long(start) * kv_size);
+      std::copy_n(v + long(row) * kv_size, long(count) * kv_size, values + long(start) * kv_size);
+      cpu::attention_forward(attention + long(row) * q_size, q + long(row) * q_size, keys, values,
+                             count, start, nh, nkv, hd, scores);
+      row += count;
+    }
+    cpu::matmul_forward(projected, attention, w.o_proj.data, w.o_bias.data, T, q_size, H);
+    cpu::residual_add(x, projected, long(T) * H);
+    // MLP block: x += down(silu(gate(norm(x))) * up(norm(x)))
+    cpu::rmsnorm_forward(normed, x, w.post_attention_norm.data, T, H, c.rms_norm_eps);
+    cpu::matmul_forward(gate, normed, w.gate_proj.data, w.gate_bias.data, T, H, F);
+    cpu::matmul_forward(up, normed, w.up_proj.data, w.up_bias.data, T, H, F);
+    cpu::swiglu_forward(gate, gate, up, long(T) * F);
+    cpu::matmul_forward(projected, gate, w.down_proj.data, w.down_bias.data, T, F, H);
+    cpu::residual_add(x, projected, long(T) * H);
+    record_taps(l, x);
+  }
+  for (const ForwardSequence& sequence : sequences)
+    sequence.cache->advance(static_cast<int>(sequence.tokens.size()));
+
+  // Final norm, then the LM head over only the rows whose logits are wanted.
+  cpu::rmsnorm_forward(normed, x, model.final_norm.data, T, H, c.rms_norm_eps);
+  record_taps(c.num_layers, normed);
+  const float* head_input = normed;
+  if (logit_rows != T) {
+    int out_row = 0;
+    for (int row = 0; const ForwardSequence& sequence : sequences) {
+      const int count = static_cast<int>(sequence.tokens.size());
+      const int first = sequence.all_logits ? 0 : count - 1;
+      for (int i = first; i < count; ++i, ++out_row)
+        std::copy_n(normed + long(row + i) * H, H, projected + long(out_row) * H);
+      row += count;
+    }
+    head_input = projected;
+  }
+  output.logits.resize(size_t(logit_rows) * V);
+  cpu::matmul_forward(output.logits.data(), head_input, model.lm_head.data, nullptr, logit_rows, H, V);
+}
+
+}  // namespace dspark

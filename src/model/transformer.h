@@ -1,0 +1,77 @@
+// The target transformer (Qwen3 / Llama families) on the CPU, in f32.
+//
+// Shape letters, used in every comment below:
+//   T  tokens in one forward (all sequences together)     V  vocab
+//   H  hidden size    F  intermediate (MLP) size           L  layers
+//   nh query heads    nkv key/value heads    hd head dim   m  taps
+//
+// One forward runs a batch of sequences, each appending its new tokens to its
+// own KV cache (prefill, decode and speculative verify are the same call with
+// different token counts). Every projection runs once over all T rows; only
+// attention is per sequence. Hidden-state taps copy the residual stream after
+// the requested layers; with no taps requested nothing is copied.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <span>
+#include <vector>
+
+#include "core/tensor.h"
+#include "model/config.h"
+#include "model/kv_cache.h"
+
+namespace dspark {
+
+struct LayerWeights {
+  Tensor input_norm;           // [H]
+  Tensor q_proj;               // [nh*hd, H]
+  Tensor k_proj;               // [nkv*hd, H]
+  Tensor v_proj;               // [nkv*hd, H]
+  Tensor o_proj;               // [H, nh*hd]
+  Tensor q_bias, k_bias, v_bias, o_bias;  // [out] when the config has attention biases
+  Tensor q_norm, k_norm;       // [hd], Qwen3 only
+  Tensor post_attention_norm;  // [H]
+  Tensor gate_proj, up_proj;   // [F, H]
+  Tensor down_proj;            // [H, F]
+  Tensor gate_bias, up_bias, down_bias;   // when the config has MLP biases
+};
+
+struct Transformer {
+  ModelConfig config;
+  Tensor embed_tokens;               // [V, H]
+  std::vector<LayerWeights> layers;  // L
+  Tensor final_norm;                 // [H]
+  Tensor lm_head;                    // [V, H]; the embedding itself when tied
+  std::vector<double> rope_inverse_frequency;  // [hd/2]
+};
+
+// Loads config.json and the safetensors weights of an HF checkpoint directory.
+Transformer load_transformer(const std::filesystem::path& directory);
+
+// One sequence's part of a batched forward.
+struct ForwardSequence {
+  KVCache* cache;                      // new tokens go at positions cache->length() ...
+  std::span<const int32_t> tokens;     // the new tokens (>= 1)
+  bool all_logits = false;             // logits for every new token, else only the last
+};
+
+struct ForwardOutput {
+  std::vector<float> logits;  // [R, V]: per sequence in order, all rows or the last one
+  std::vector<float> taps;    // [T, m, H] when taps were requested, else empty
+};
+
+// Activations reused across forwards (grown, never shrunk), so decoding does
+// not allocate per step.
+struct ForwardWorkspace {
+  std::vector<float> x, normed, q, k, v, attention, projected, gate, up, scores;
+  std::vector<int32_t> tokens;
+  std::vector<int> positions;
+};
+
+// Tap index j < L is the output of decoder layer j; j == L is the hidden after
+// the final norm (what the LM head reads).
+void transformer_forward(const Transformer& model, std::span<const ForwardSequence> sequences,
+                         std::span<const int> tap_layers, ForwardWorkspace& workspace,
+                         ForwardOutput& output);
+
+}  // namespace dspark

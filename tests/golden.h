@@ -1,0 +1,48 @@
+// Access to the golden checkpoints and HF reference outputs under tests/golden
+// (made by tests/tools/make_golden.py with transformers; see its docstring).
+#pragma once
+#include <cmath>
+#include <cstddef>
+#include <filesystem>
+#include <string>
+#include <unistd.h>
+
+#include "core/json.h"
+
+namespace dspark::testing {
+
+inline std::filesystem::path golden_model(const std::string& name) {
+  return std::filesystem::path(DSPARK_GOLDEN_DIR) / name;
+}
+
+inline Json golden_reference(const std::string& name, const std::string& file) {
+  return read_json_file(golden_model(name) / "reference" / file);
+}
+
+// ||a - b|| / ||b|| over n elements.
+inline double relative_error(const float* a, const float* b, size_t n) {
+  double difference = 0.0, norm = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    difference += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    norm += double(b[i]) * b[i];
+  }
+  return std::sqrt(difference / norm);
+}
+
+// A fresh, empty temporary directory removed when the object goes.
+struct TemporaryDirectory {
+  std::filesystem::path path;
+  TemporaryDirectory() {
+    path = std::filesystem::temp_directory_path() /
+           ("dspark-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter()++));
+    std::filesystem::remove_all(path);
+    std::filesystem::create_directories(path);
+  }
+  ~TemporaryDirectory() { std::filesystem::remove_all(path); }
+  static int& counter() {
+    static int value = 0;
+    return value;
+  }
+};
+
+}  // namespace dspark::testing

@@ -1,0 +1,189 @@
+// The CPU target forward against transformers (float64) on the golden models:
+// logits and taps of full prompts, incremental decoding through the KV cache,
+// rollback, batching, greedy continuations and perplexity.
+#include <gtest/gtest.h>
+
+#include "core/file.h"
+#include "core/safetensors.h"
+#include "golden.h"
+#include "model/generate.h"
+#include "model/perplexity.h"
+#include "model/tokenizer.h"
+#include "model/transformer.h"
+
+namespace dspark {
+namespace {
+
+using testing::golden_model;
+using testing::golden_reference;
+using testing::relative_error;
+
+constexpr double kTolerance = 1e-4;
+
+class GoldenModel : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    model_ = load_transformer(golden_model(GetParam()));
+    forward_ = golden_reference(GetParam(), "forward.json");
+    reference_ = std::make_unique<SafetensorsFile>(golden_model(GetParam()) / "reference" / "forward.safetensors");
+  }
+  std::vector<int32_t> prompt(size_t index) const {
+    return forward_["prompts"][index]["ids"].get<std::vector<int32_t>>();
+  }
+  Tensor reference(const std::string& name) const { return reference_->load_f32(name); }
+  std::vector<int> all_taps() const {
+    std::vector<int> taps;
+    for (int j = 0; j <= model_.config.num_layers; ++j) taps.push_back(j);
+    return taps;
+  }
+
+  Transformer model_;
+  Json forward_;
+  std::unique_ptr<SafetensorsFile> reference_;
+};
+
+TEST_P(GoldenModel, LogitsAndTapsMatchTransformers) {
+  const int V = model_.config.vocab_size;
+  for (size_t index = 0; index < forward_["prompts"].size(); ++index) {
+    const auto ids = prompt(index);
+    KVCache cache(model_.config, model_.config.max_positions);
+    ForwardWorkspace workspace;
+    ForwardOutput output;
+    ForwardSequence sequence{&cache, ids, true};
+    const auto taps = all_taps();
+    transformer_forward(model_, {&sequence, 1}, taps, workspace, output);
+    const Tensor logits = reference("logits." + std::to_string(index));
+    const Tensor expected_taps = reference("taps." + std::to_string(index));
+    ASSERT_EQ(logits.numel(), long(ids.size()) * V);
+    ASSERT_EQ(expected_taps.numel(), long(output.taps.size()));
+    EXPECT_LE(relative_error(output.logits.data(), logits.data, logits.numel()), kTolerance)
+        << "prompt " << index;
+    // Each tap on its own, so a wrong layer cannot hide behind the others.
+    const int H = model_.config.hidden_size, m = static_cast<int>(taps.size());
+    for (int slot = 0; slot < m; ++slot) {
+      std::vector<float> ours, theirs;
+      for (size_t row = 0; row < ids.size(); ++row)
+        for (int i = 0; i < H; ++i) {
+          ours.push_back(output.taps[(row * m + slot) * H + i]);
+          theirs.push_back(expected_taps.data[(row * m + slot) * H + i]);
+        }
+      EXPECT_LE(relative_error(ours.data(), theirs.data(), ours.size()), kTolerance)
+          << "prompt " << index << " tap " << taps[slot];
+    }
+  }
+}
+
+TEST_P(GoldenModel, IncrementalDecodeMatchesFullForward) {
+  const int V = model_.config.vocab_size;
+  const auto ids = prompt(1);
+  const Tensor logits = reference("logits.1");
+  KVCache cache(model_.config, 64);
+  ForwardWorkspace workspace;
+  ForwardOutput output;
+  const size_t split = ids.size() / 2;
+  ForwardSequence head{&cache, std::span(ids).first(split), false};
+  transformer_forward(model_, {&head, 1}, {}, workspace, output);
+  EXPECT_LE(relative_error(output.logits.data(), logits.data + (split - 1) * V, V), kTolerance);
+  for (size_t position = split; position < ids.size(); ++position) {
+    ForwardSequence step{&cache, std::span(ids).subspan(position, 1), false};
+    transformer_forward(model_, {&step, 1}, {}, workspace, output);
+    EXPECT_LE(relative_error(output.logits.data(), logits.data + position * V, V), kTolerance)
+        << "position " << position;
+  }
+  EXPECT_EQ(cache.length(), int(ids.size()));
+}
+
+TEST_P(GoldenModel, RollbackLeavesNoTrace) {
+  const int V = model_.config.vocab_size;
+  const auto ids = prompt(0);
+  const Tensor logits = reference("logits.0");
+  KVCache cache(model_.config, 64);
+  ForwardWorkspace workspace;
+  ForwardOutput output;
+  // Fill the cache with a wrong continuation, roll back, then feed the real one.
+  const size_t keep = 5;
+  ForwardSequence head{&cache, std::span(ids).first(keep), false};
+  transformer_forward(model_, {&head, 1}, {}, workspace, output);
+  std::vector<int32_t> wrong(6, 7);
+  ForwardSequence detour{&cache, wrong, true};
+  transformer_forward(model_, {&detour, 1}, {}, workspace, output);
+  cache.truncate(keep);
+  ForwardSequence rest{&cache, std::span(ids).subspan(keep), true};
+  transformer_forward(model_, {&rest, 1}, {}, workspace, output);
+  EXPECT_LE(relative_error(output.logits.data(), logits.data + keep * V, (ids.size() - keep) * V), kTolerance);
+}
+
+TEST_P(GoldenModel, BatchedSequencesMatchSeparateOnes) {
+  const int V = model_.config.vocab_size;
+  const auto first = prompt(0), second = prompt(2), third = prompt(3);
+  KVCache cache_a(model_.config, 64), cache_b(model_.config, 64), cache_c(model_.config, 64);
+  ForwardWorkspace workspace;
+  ForwardOutput output;
+  // Ragged batch: a prefill with all logits, a prefill with the last logit, and
+  // a sequence that already has 3 tokens cached decoding its 4th.
+  ForwardSequence warmup{&cache_c, std::span(third).first(3), false};
+  transformer_forward(model_, {&warmup, 1}, {}, workspace, output);
+  std::vector<ForwardSequence> batch = {{&cache_a, first, true}, {&cache_b, second, false},
+                                        {&cache_c, std::span(third).subspan(3, 1), false}};
+  const std::vector<int> taps = {model_.config.num_layers};
+  transformer_forward(model_, batch, taps, workspace, output);
+  ASSERT_EQ(output.logits.size(), (first.size() + 2) * V);
+  const Tensor logits_a = reference("logits.0"), logits_b = reference("logits.2"), logits_c = reference("logits.3");
+  EXPECT_LE(relative_error(output.logits.data(), logits_a.data, first.size() * V), kTolerance);
+  EXPECT_LE(relative_error(output.logits.data() + first.size() * V, logits_b.data + (second.size() - 1) * V, V), kTolerance);
+  EXPECT_LE(relative_error(output.logits.data() + (first.size() + 1) * V, logits_c.data + 3 * V, V), kTolerance);
+  EXPECT_EQ(output.taps.size(), (first.size() + second.size() + 1) * model_.config.hidden_size);
+}
+
+TEST_P(GoldenModel, GreedyContinuationsMatchTransformers) {
+  for (const auto& expected : forward_["greedy"]) {
+    const auto ids = prompt(expected["prompt"].get<size_t>());
+    const auto tokens = expected["tokens"].get<std::vector<int32_t>>();
+    GenerateOptions options;
+    options.max_new_tokens = static_cast<int>(tokens.size());
+    options.ignore_eos = true;
+    EXPECT_EQ(generate(model_, ids, options).tokens, tokens) << "prompt " << expected["prompt"];
+  }
+}
+
+TEST_P(GoldenModel, PerplexityMatchesTransformers) {
+  const Tokenizer tokenizer = Tokenizer::load(golden_model(GetParam()));
+  const std::string text = read_text_file(golden_model(GetParam()) / "reference" / "perplexity.txt");
+  const auto ids = tokenizer.encode(text);
+  ASSERT_EQ(long(ids.size()), forward_["perplexity"]["token_count"].get<long>());
+  for (const auto& expected : forward_["perplexity"]["cases"]) {
+    const PerplexityResult result = perplexity(model_, ids, expected["context"].get<int>());
+    EXPECT_EQ(result.tokens, expected["tokens"].get<long>());
+    EXPECT_NEAR(result.nll / expected["nll"].get<double>(), 1.0, kTolerance) << "context " << expected["context"];
+    EXPECT_NEAR(result.ppl / expected["ppl"].get<double>(), 1.0, kTolerance);
+  }
+}
+
+TEST_P(GoldenModel, PromptThatFillsTheContextIsRefused) {
+  std::vector<int32_t> ids(model_.config.max_positions, 5);
+  EXPECT_THROW(generate(model_, ids, GenerateOptions{}), Error);
+  EXPECT_THROW(generate(model_, std::vector<int32_t>{}, GenerateOptions{}), Error);
+}
+
+TEST_P(GoldenModel, GenerationStopsAtTheContextEnd) {
+  std::vector<int32_t> ids(model_.config.max_positions - 3, 5);
+  GenerateOptions options;
+  options.max_new_tokens = 10;
+  options.ignore_eos = true;
+  const GenerateResult result = generate(model_, ids, options);
+  EXPECT_EQ(result.tokens.size(), 4u);  // 3 fed back, and the 4th sampled from the full cache
+  EXPECT_EQ(result.stop_reason, "context");
+}
+
+INSTANTIATE_TEST_SUITE_P(Golden, GoldenModel, ::testing::Values("qwen3", "llama"));
+
+TEST(TransformerLoad, TiedEmbeddingsShareTheHead) {
+  const Transformer qwen = load_transformer(golden_model("qwen3"));
+  EXPECT_TRUE(qwen.config.tie_word_embeddings);
+  EXPECT_EQ(qwen.lm_head.data, qwen.embed_tokens.data);
+  const Transformer llama = load_transformer(golden_model("llama"));
+  EXPECT_NE(llama.lm_head.data, llama.embed_tokens.data);
+}
+
+}  // namespace
+}  // namespace dspark
