@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <filesystem>
 #include <string>
+#include <vector>
 #include <unistd.h>
 
 #include "core/json.h"
@@ -27,6 +28,13 @@ inline double relative_error(const float* a, const float* b, size_t n) {
     norm += double(b[i]) * b[i];
   }
   return std::sqrt(difference / norm);
+}
+
+// "[1, 2, 3]" for failure messages.
+inline std::string describe_ids(const std::vector<int>& ids) {
+  std::string text = "[";
+  for (size_t i = 0; i < ids.size(); ++i) text += (i ? ", " : "") + std::to_string(ids[i]);
+  return text + "]";
 }
 
 // A fresh, empty temporary directory removed when the object goes.

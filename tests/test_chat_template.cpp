@@ -3,6 +3,8 @@
 // golden directories exist).
 #include <gtest/gtest.h>
 
+#include "golden.h"
+
 #include <filesystem>
 #include <functional>
 #include <string>
@@ -64,16 +66,10 @@ TEST(ChatTemplate, RendersLlama3WithTrimmedContent) {
 
 // ------------------------------------------------------------------ golden
 
-std::string describe(const std::vector<int>& ids) {
-  std::string text = "[";
-  for (size_t i = 0; i < ids.size(); ++i) text += (i ? ", " : "") + std::to_string(ids[i]);
-  return text + "]";
-}
-
 // Checks every "chat" case of <golden>/<name>/reference/tokenization.json: our
 // rendering against transformers' text, and our ids of that text against HF's.
 void check_golden_chat(const std::string& name) {
-  fs::path directory = fs::path(DSPARK_GOLDEN_DIR) / name;
+  fs::path directory = testing::golden_model(name);
   ASSERT_TRUE(fs::exists(directory)) << "no golden directory " << directory.string();
   Json reference = read_json_file(directory / "reference" / "tokenization.json");
   ASSERT_TRUE(reference.contains("chat")) << name << " has no chat cases";
@@ -91,8 +87,8 @@ void check_golden_chat(const std::string& name) {
                                        << "\nHF:   " << Json(expected_text).dump();
     std::vector<int> expected_ids = chat.at("ids").get<std::vector<int>>();
     std::vector<int> ids = tokenizer.encode(expected_text, false);
-    EXPECT_EQ(ids, expected_ids) << "text: " << Json(expected_text).dump() << "\nours: " << describe(ids)
-                                 << "\nHF:   " << describe(expected_ids);
+    EXPECT_EQ(ids, expected_ids) << "text: " << Json(expected_text).dump() << "\nours: " << testing::describe_ids(ids)
+                                 << "\nHF:   " << testing::describe_ids(expected_ids);
   }
 }
 

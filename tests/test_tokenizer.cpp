@@ -2,6 +2,8 @@
 // and golden comparisons against HF `tokenizers` (skipped until the golden
 // directories exist).
 #include <gtest/gtest.h>
+
+#include "golden.h"
 #include <unistd.h>
 
 #include <atomic>
@@ -507,15 +509,9 @@ TEST_F(TokenizerFiles, ChatTemplateFromConfig) {
 
 std::vector<int> ids_of(const Json& array) { return array.get<std::vector<int>>(); }
 
-std::string describe(const std::vector<int>& ids) {
-  std::string text = "[";
-  for (size_t i = 0; i < ids.size(); ++i) text += (i ? ", " : "") + std::to_string(ids[i]);
-  return text + "]";
-}
-
 // Compares our encode/decode with HF on every case of <golden>/<name>/reference/tokenization.json.
 void check_golden_tokenization(const std::string& name) {
-  fs::path directory = fs::path(DSPARK_GOLDEN_DIR) / name;
+  fs::path directory = testing::golden_model(name);
   ASSERT_TRUE(fs::exists(directory)) << "no golden directory " << directory.string();
   Tokenizer tokenizer = Tokenizer::load(directory);
   Json reference = read_json_file(directory / "reference" / "tokenization.json");
@@ -526,15 +522,15 @@ void check_golden_tokenization(const std::string& name) {
     std::vector<int> expected_plain = ids_of(test_case.at("ids_plain"));
     std::vector<int> actual = tokenizer.encode(text, true);
     std::vector<int> actual_plain = tokenizer.encode(text, false);
-    EXPECT_EQ(actual, expected) << "text: " << Json(text).dump() << "\nours: " << describe(actual)
-                                << "\nHF:   " << describe(expected);
+    EXPECT_EQ(actual, expected) << "text: " << Json(text).dump() << "\nours: " << testing::describe_ids(actual)
+                                << "\nHF:   " << testing::describe_ids(expected);
     EXPECT_EQ(actual_plain, expected_plain) << "text (no special): " << Json(text).dump()
-                                            << "\nours: " << describe(actual_plain)
-                                            << "\nHF:   " << describe(expected_plain);
+                                            << "\nours: " << testing::describe_ids(actual_plain)
+                                            << "\nHF:   " << testing::describe_ids(expected_plain);
     EXPECT_EQ(tokenizer.decode(expected_plain, false), test_case.at("decoded").get<std::string>())
-        << "decode of " << describe(expected_plain);
+        << "decode of " << testing::describe_ids(expected_plain);
     EXPECT_EQ(tokenizer.decode(expected_plain, true), test_case.at("decoded_skip_special").get<std::string>())
-        << "decode (skip special) of " << describe(expected_plain);
+        << "decode (skip special) of " << testing::describe_ids(expected_plain);
   }
 }
 
