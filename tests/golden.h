@@ -3,6 +3,7 @@
 #pragma once
 #include <cmath>
 #include <cstddef>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -12,9 +13,14 @@
 
 namespace dspark::testing {
 
-inline std::filesystem::path golden_model(const std::string& name) {
-  return std::filesystem::path(DSPARK_GOLDEN_DIR) / name;
+// The golden directory: $DSPARK_GOLDEN_DIR when set (a copied tree on another
+// machine), else tests/golden of the source tree this binary was built from.
+inline std::filesystem::path golden_directory() {
+  const char* overridden = std::getenv("DSPARK_GOLDEN_DIR");
+  return overridden ? std::filesystem::path(overridden) : std::filesystem::path(DSPARK_GOLDEN_DIR);
 }
+
+inline std::filesystem::path golden_model(const std::string& name) { return golden_directory() / name; }
 
 inline Json golden_reference(const std::string& name, const std::string& file) {
   return read_json_file(golden_model(name) / "reference" / file);

@@ -6,6 +6,7 @@
 #include "core/file.h"
 #include "core/safetensors.h"
 #include "golden.h"
+#include "model/cpu_target.h"
 #include "model/generate.h"
 #include "model/perplexity.h"
 #include "model/tokenizer.h"
@@ -142,7 +143,8 @@ TEST_P(GoldenModel, GreedyContinuationsMatchTransformers) {
     GenerateOptions options;
     options.max_new_tokens = static_cast<int>(tokens.size());
     options.ignore_eos = true;
-    EXPECT_EQ(generate(model_, ids, options).tokens, tokens) << "prompt " << expected["prompt"];
+    CpuTarget target(model_);
+    EXPECT_EQ(generate(target, ids, options).tokens, tokens) << "prompt " << expected["prompt"];
   }
 }
 
@@ -152,7 +154,8 @@ TEST_P(GoldenModel, PerplexityMatchesTransformers) {
   const auto ids = tokenizer.encode(text);
   ASSERT_EQ(long(ids.size()), forward_["perplexity"]["token_count"].get<long>());
   for (const auto& expected : forward_["perplexity"]["cases"]) {
-    const PerplexityResult result = perplexity(model_, ids, expected["context"].get<int>());
+    CpuTarget target(model_);
+    const PerplexityResult result = perplexity(target, ids, expected["context"].get<int>());
     EXPECT_EQ(result.tokens, expected["tokens"].get<long>());
     EXPECT_NEAR(result.nll / expected["nll"].get<double>(), 1.0, kTolerance) << "context " << expected["context"];
     EXPECT_NEAR(result.ppl / expected["ppl"].get<double>(), 1.0, kTolerance);
@@ -161,8 +164,9 @@ TEST_P(GoldenModel, PerplexityMatchesTransformers) {
 
 TEST_P(GoldenModel, PromptThatFillsTheContextIsRefused) {
   std::vector<int32_t> ids(model_.config.max_positions, 5);
-  EXPECT_THROW(generate(model_, ids, GenerateOptions{}), Error);
-  EXPECT_THROW(generate(model_, std::vector<int32_t>{}, GenerateOptions{}), Error);
+  CpuTarget target(model_);
+  EXPECT_THROW(generate(target, ids, GenerateOptions{}), Error);
+  EXPECT_THROW(generate(target, std::vector<int32_t>{}, GenerateOptions{}), Error);
 }
 
 TEST_P(GoldenModel, GenerationStopsAtTheContextEnd) {
@@ -170,7 +174,8 @@ TEST_P(GoldenModel, GenerationStopsAtTheContextEnd) {
   GenerateOptions options;
   options.max_new_tokens = 10;
   options.ignore_eos = true;
-  const GenerateResult result = generate(model_, ids, options);
+  CpuTarget target(model_);
+  const GenerateResult result = generate(target, ids, options);
   EXPECT_EQ(result.tokens.size(), 4u);  // 3 fed back, and the 4th sampled from the full cache
   EXPECT_EQ(result.stop_reason, "context");
 }

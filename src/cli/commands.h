@@ -12,7 +12,15 @@ inline std::string default_model_directory() {
   return std::string(DSPARK_SOURCE_DIR) + "/tests/golden/qwen3";
 }
 
+// --device cpu|cuda|auto (auto: cuda when a GPU is present).
+inline void add_device_option(CLI::App& command, std::string& device) {
+  command.add_option("--device", device, "cpu, cuda, or auto (cuda when a GPU is present)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+}
+
 void add_generate_command(CLI::App& app);
 void add_perplexity_command(CLI::App& app);
+void add_bench_command(CLI::App& app);
 
 }  // namespace dspark::cli

@@ -6,7 +6,7 @@
 #include "core/json.h"
 #include "model/generate.h"
 #include "model/tokenizer.h"
-#include "model/transformer.h"
+#include "model/target.h"
 
 namespace dspark::cli {
 namespace {
@@ -22,10 +22,11 @@ struct GenerateFlags {
   bool chat = false;
   bool ignore_eos = false;
   bool json = false;
+  std::string device = "auto";
 };
 
 void run_generate(const GenerateFlags& flags) {
-  const Transformer model = load_transformer(flags.model);
+  const std::unique_ptr<Target> target = load_target(flags.model, flags.device);
   const Tokenizer tokenizer = Tokenizer::load(flags.model);
   std::vector<int32_t> prompt;
   if (flags.chat) {
@@ -41,10 +42,9 @@ void run_generate(const GenerateFlags& flags) {
   options.ignore_eos = flags.ignore_eos;
 
   StreamingDecoder stream(tokenizer);
-  const auto& eos = model.config.eos_token_ids;
-  auto is_eos = [&](int32_t token) { return std::find(eos.begin(), eos.end(), token) != eos.end(); };
-  const GenerateResult result = generate(model, prompt, options, [&](int32_t token) {
-    if (flags.json || (is_eos(token) && !flags.ignore_eos)) return;
+  const ModelConfig& config = target->config();
+  const GenerateResult result = generate(*target, prompt, options, [&](int32_t token) {
+    if (flags.json || (is_eos(config, token) && !flags.ignore_eos)) return;
     std::fputs(stream.push(token).c_str(), stdout);
     std::fflush(stdout);
   });
@@ -59,6 +59,7 @@ void run_generate(const GenerateFlags& flags) {
                 {"tokens", result.tokens},
                 {"prompt_tokens", prompt.size()},
                 {"stop_reason", result.stop_reason},
+                {"device", target->device_description()},
                 {"stats",
                  {{"tokens_per_s", tokens_per_s},
                   {"generated_tokens", result.tokens.size()},
@@ -97,6 +98,7 @@ void add_generate_command(CLI::App& app) {
   command->add_flag("--chat", flags->chat, "wrap the prompt in the model's chat template");
   command->add_flag("--ignore-eos", flags->ignore_eos, "keep generating past end-of-sequence tokens");
   command->add_flag("--json", flags->json, "print one JSON object instead of streaming text");
+  add_device_option(*command, flags->device);
   command->callback([flags] { run_generate(*flags); });
 }
 

@@ -11,6 +11,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   dspark::cli::add_generate_command(app);
   dspark::cli::add_perplexity_command(app);
+  dspark::cli::add_bench_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& error) {

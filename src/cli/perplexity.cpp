@@ -8,7 +8,7 @@
 #include "core/progress.h"
 #include "model/perplexity.h"
 #include "model/tokenizer.h"
-#include "model/transformer.h"
+#include "model/target.h"
 
 namespace dspark::cli {
 namespace {
@@ -18,17 +18,18 @@ struct PerplexityFlags {
   std::string file;
   int context = 0;  // 0: the model's max positions
   bool json = false;
+  std::string device = "auto";
 };
 
 void run_perplexity(const PerplexityFlags& flags) {
-  const Transformer model = load_transformer(flags.model);
+  const std::unique_ptr<Target> target = load_target(flags.model, flags.device);
   const Tokenizer tokenizer = Tokenizer::load(flags.model);
   DSPARK_CHECK(std::filesystem::is_regular_file(flags.file), "cannot read text file ", flags.file);
   const std::vector<int32_t> ids = tokenizer.encode(read_text_file(flags.file));
-  const int context = flags.context > 0 ? flags.context : model.config.max_positions;
+  const int context = flags.context > 0 ? flags.context : target->config().max_positions;
   Progress progress("perplexity", ids.empty() ? 0 : long(ids.size()) - 1, "tokens");
   const PerplexityResult result =
-      perplexity(model, ids, context, [&](long done, long) { progress.update(done); });
+      perplexity(*target, ids, context, [&](long done, long) { progress.update(done); });
   if (flags.json) {
     std::cout << Json{{"nll", result.nll}, {"tokens", result.tokens}, {"ppl", result.ppl}}.dump()
               << std::endl;
@@ -47,6 +48,7 @@ void add_perplexity_command(CLI::App& app) {
   command->add_option("--ctx", flags->context, "window length (default: the model's context)")
       ->check(CLI::PositiveNumber);
   command->add_flag("--json", flags->json, "print {\"nll\", \"tokens\", \"ppl\"}");
+  add_device_option(*command, flags->device);
   command->callback([flags] { run_perplexity(*flags); });
 }
 

@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include "core/error.h"
+#include "core/random.h"
 
 namespace dspark {
 
@@ -14,49 +15,54 @@ void check_prompt_fits(const ModelConfig& config, size_t prompt_tokens) {
                " positions, which leaves no room to generate");
 }
 
-GenerateResult generate(const Transformer& model, std::span<const int32_t> prompt,
-                        const GenerateOptions& options,
+bool is_eos(const ModelConfig& config, int32_t token) {
+  return std::find(config.eos_token_ids.begin(), config.eos_token_ids.end(), token) !=
+         config.eos_token_ids.end();
+}
+
+GenerateResult generate(Target& target, std::span<const int32_t> prompt, const GenerateOptions& options,
                         const std::function<void(int32_t)>& on_token) {
   using Clock = std::chrono::steady_clock;
-  const ModelConfig& config = model.config;
+  const ModelConfig& config = target.config();
   check_prompt_fits(config, prompt.size());
   const int capacity = static_cast<int>(
       std::min<long>(config.max_positions, static_cast<long>(prompt.size()) + options.max_new_tokens));
-  KVCache cache(config, capacity);
-  ForwardWorkspace workspace;
-  ForwardOutput output;
+  const int sequence = target.create_sequence(capacity);
   Rng rng(options.seed);
-  std::vector<float> probs;
-  std::vector<int32_t> order;
+  double uniform = 0.0;
+  TargetRequest request;
+  request.sampling = options.sampling;
+  if (!options.sampling.greedy()) request.uniforms = {&uniform, 1};
+  TargetResult step;
   GenerateResult result;
   result.stop_reason = "length";
 
-  auto start = Clock::now();
-  ForwardSequence sequence{&cache, prompt, false};
-  transformer_forward(model, {&sequence, 1}, {}, workspace, output);
-  auto prefill_done = Clock::now();
+  const auto start = Clock::now();
+  uniform = rng.uniform();
+  TargetInput input{sequence, prompt, false};
+  target.forward({&input, 1}, request, step);
+  const auto prefill_done = Clock::now();
   result.prefill_seconds = std::chrono::duration<double>(prefill_done - start).count();
 
-  while (static_cast<int>(result.tokens.size()) < options.max_new_tokens) {
-    const int32_t token = cpu::sample_token(output.logits.data(), config.vocab_size, options.sampling,
-                                            rng, probs, order);
+  while (true) {
+    const int32_t token = step.tokens[0];
     result.tokens.push_back(token);
     if (on_token) on_token(token);
-    const bool is_eos = std::find(config.eos_token_ids.begin(), config.eos_token_ids.end(), token) !=
-                        config.eos_token_ids.end();
-    if (is_eos && !options.ignore_eos) {
+    if (is_eos(config, token) && !options.ignore_eos) {
       result.stop_reason = "eos";
       break;
     }
     if (static_cast<int>(result.tokens.size()) == options.max_new_tokens) break;
-    if (cache.length() == config.max_positions) {
+    if (target.sequence_length(sequence) == config.max_positions) {
       result.stop_reason = "context";
       break;
     }
-    ForwardSequence next{&cache, {&result.tokens.back(), 1}, false};
-    transformer_forward(model, {&next, 1}, {}, workspace, output);
+    uniform = rng.uniform();
+    TargetInput next{sequence, {&result.tokens.back(), 1}, false};
+    target.forward({&next, 1}, request, step);
   }
   result.decode_seconds = std::chrono::duration<double>(Clock::now() - prefill_done).count();
+  target.release_sequence(sequence);
   return result;
 }
 

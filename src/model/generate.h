@@ -9,14 +9,14 @@
 #include <vector>
 
 #include "kernels/cpu/sampling.h"
-#include "model/transformer.h"
+#include "model/target.h"
 
 namespace dspark {
 
 struct GenerateOptions {
   int max_new_tokens = 128;
   cpu::SamplingParams sampling;  // temperature 0: greedy
-  uint64_t seed = 0;
+  uint64_t seed = 0;             // one uniform per sampled token is drawn from Rng(seed)
   bool ignore_eos = false;
 };
 
@@ -29,12 +29,13 @@ struct GenerateResult {
 
 // Throws if the prompt is empty or does not leave room for one new token in
 // the model's context. `on_token` sees each id as it is generated.
-GenerateResult generate(const Transformer& model, std::span<const int32_t> prompt,
-                        const GenerateOptions& options,
+GenerateResult generate(Target& target, std::span<const int32_t> prompt, const GenerateOptions& options,
                         const std::function<void(int32_t)>& on_token = {});
 
 // The error a prompt that leaves no room in the context gets; shared by every
 // entry point that accepts prompts.
 void check_prompt_fits(const ModelConfig& config, size_t prompt_tokens);
+
+bool is_eos(const ModelConfig& config, int32_t token);
 
 }  // namespace dspark

@@ -8,7 +8,7 @@
 #include <functional>
 #include <span>
 
-#include "model/transformer.h"
+#include "model/target.h"
 
 namespace dspark {
 
@@ -19,7 +19,7 @@ struct PerplexityResult {
 };
 
 // `on_window(scored_so_far, total_to_score)` reports progress after each window.
-PerplexityResult perplexity(const Transformer& model, std::span<const int32_t> ids, int context,
+PerplexityResult perplexity(Target& target, std::span<const int32_t> ids, int context,
                             const std::function<void(long, long)>& on_window = {});
 
 }  // namespace dspark

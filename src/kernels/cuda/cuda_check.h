@@ -1,7 +1,7 @@
 // CUDA error checks: every runtime and cuBLAS call's status is checked and
 // turned into a dspark::Error naming the call and where it was made.
 #pragma once
-#include <cublas_v2.h>
+#include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include "core/error.h"
@@ -18,7 +18,7 @@
   do {                                                                                     \
     cublasStatus_t status_ = (call);                                                       \
     if (status_ != CUBLAS_STATUS_SUCCESS)                                                  \
-      ::dspark::fail("cuBLAS error ", cublasGetStatusString(status_), " in ", #call, " at ", \
+      ::dspark::fail("cuBLAS error ", cublasLtGetStatusString(status_), " in ", #call, " at ", \
                      __FILE__, ":", __LINE__);                                             \
   } while (0)
 

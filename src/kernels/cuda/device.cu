@@ -1,4 +1,6 @@
+#include <algorithm>
 #include <cstdio>
+#include <vector>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device.h"
@@ -17,12 +19,40 @@ int device_count() {
 std::string device_description(int index) {
   cudaDeviceProp properties{};
   CUDA_CHECK(cudaGetDeviceProperties(&properties, index));
-  char text[256];
-  std::snprintf(text, sizeof text, "%s, %d SMs, %.1f GiB, cc %d.%d", properties.name,
-                properties.multiProcessorCount,
-                static_cast<double>(properties.totalGlobalMem) / (1 << 30), properties.major,
-                properties.minor);
-  return text;
+  char memory[32];
+  std::snprintf(memory, sizeof memory, "%.1f GiB", static_cast<double>(properties.totalGlobalMem) / (1 << 30));
+  return std::string(properties.name) + ", " + std::to_string(properties.multiProcessorCount) + " SMs, " + memory +
+         ", cc " + std::to_string(properties.major) + "." + std::to_string(properties.minor);
+}
+
+}  // namespace dspark::cuda
+
+namespace dspark::cuda {
+
+double measure_copy_bandwidth(size_t bytes) {
+  void *source = nullptr, *destination = nullptr;
+  CUDA_CHECK(cudaMalloc(&source, bytes));
+  CUDA_CHECK(cudaMalloc(&destination, bytes));
+  CUDA_CHECK(cudaMemset(source, 1, bytes));
+  cudaEvent_t start, stop;
+  CUDA_CHECK(cudaEventCreate(&start));
+  CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<float> milliseconds;
+  for (int run = 0; run < 12; ++run) {
+    CUDA_CHECK(cudaEventRecord(start));
+    CUDA_CHECK(cudaMemcpyAsync(destination, source, bytes, cudaMemcpyDeviceToDevice));
+    CUDA_CHECK(cudaEventRecord(stop));
+    CUDA_CHECK(cudaEventSynchronize(stop));
+    float elapsed = 0.0f;
+    CUDA_CHECK(cudaEventElapsedTime(&elapsed, start, stop));
+    if (run >= 2) milliseconds.push_back(elapsed);  // the first copies warm up
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaFree(source);
+  cudaFree(destination);
+  std::sort(milliseconds.begin(), milliseconds.end());
+  return 2.0 * static_cast<double>(bytes) / (milliseconds[milliseconds.size() / 2] * 1e-3) / 1e9;
 }
 
 }  // namespace dspark::cuda

@@ -11,3 +11,12 @@ int device_count();
 std::string device_description(int index);
 
 }  // namespace dspark::cuda
+
+namespace dspark::cuda {
+
+// Device-to-device copy bandwidth in GB/s (1e9 bytes), counting bytes read
+// plus bytes written, median of several copies of `bytes` after a warm-up:
+// the ceiling a memory-bound kernel can be compared against.
+double measure_copy_bandwidth(size_t bytes);
+
+}  // namespace dspark::cuda

@@ -1,0 +1,49 @@
+// Device helpers shared by the kernels: bf16 type, warp and block reductions.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cfloat>
+
+namespace dspark::cuda {
+
+using bf16 = __nv_bfloat16;
+
+__device__ __forceinline__ float warp_sum(float value) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;
+}
+
+__device__ __forceinline__ float warp_max(float value) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1)
+    value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  return value;
+}
+
+// Block-wide sum / max for blockDim.x a multiple of 32 (<= 1024). `scratch`
+// is __shared__ float[32]; every thread gets the result.
+__device__ __forceinline__ float block_sum(float value, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  value = warp_sum(value);
+  __syncthreads();  // scratch may still be read by a previous reduction
+  if (lane == 0) scratch[warp] = value;
+  __syncthreads();
+  value = lane < warps ? scratch[lane] : 0.0f;
+  return warp_sum(value);
+}
+
+__device__ __forceinline__ float block_max(float value, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  value = warp_max(value);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = value;
+  __syncthreads();
+  value = lane < warps ? scratch[lane] : -FLT_MAX;
+  return warp_max(value);
+}
+
+inline int ceil_div(long a, long b) { return static_cast<int>((a + b - 1) / b); }
+
+}  // namespace dspark::cuda

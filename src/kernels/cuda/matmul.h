@@ -1,0 +1,21 @@
+// Activation x weight products through cuBLASLt (CUDA version of
+// kernels/cpu/matmul.h): bf16 operands, f32 accumulation, bf16 or f32 output.
+// Shapes as on the CPU: x [rows, in], weight [out, in] (nn.Linear layout),
+// bias [out] or null, out [rows, out].
+//
+// The algorithm for each (rows, in, out, output type, bias) is chosen once by
+// cuBLASLt's heuristic and cached with its descriptors, so a call inside CUDA
+// graph capture never queries the heuristic (warm each shape up first).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+namespace dspark::cuda {
+
+enum class MatmulOutput { BF16, F32 };
+
+void matmul_forward(void* out, MatmulOutput out_type, const __nv_bfloat16* x, const __nv_bfloat16* weight,
+                    const __nv_bfloat16* bias, int rows, int in_features, int out_features,
+                    cudaStream_t stream);
+
+}  // namespace dspark::cuda

@@ -1,0 +1,673 @@
+// CudaTarget: the target transformer on one NVIDIA GPU.
+//
+// Precision: weights and the activations fed to GEMMs are bf16; GEMMs, norms,
+// softmax and the residual stream are f32. Layer weights are fused where the
+// math allows one GEMM instead of several: q|k|v in one [nh+2nkv)*hd, H]
+// matrix, gate|up in one [2F, H] matrix.
+//
+// KV cache: one pool of kBlockSize-token blocks per layer shared by every
+// sequence; a sequence holds a list of blocks (a row of the device block
+// table), grows block by block and gives blocks back when rolled back.
+//
+// A forward: the host packs the step's metadata (token ids, positions, cache
+// slots, per-sequence offsets and lengths, sampling uniforms) into one pinned
+// buffer and copies it with one cudaMemcpyAsync; the kernels run; the chosen
+// token ids come back in one copy, the only synchronisation of the step.
+// Steps where every sequence adds the same number of tokens (decode: 1,
+// verify: gamma+1) are captured once per (batch bucket, tokens per sequence)
+// as CUDA graphs and replayed; the batch is padded to its bucket with dummy
+// sequences that write only to two reserved cache blocks.
+#include "model/cuda_target.h"
+
+#include <algorithm>
+#include <bit>
+#include <utility>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <tuple>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/safetensors.h"
+#include "kernels/cuda/activation.h"
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/buffer.h"
+#include "kernels/cuda/device.h"
+#include "kernels/cuda/embedding.h"
+#include "kernels/cuda/matmul.h"
+#include "kernels/cuda/rmsnorm.h"
+#include "kernels/cuda/rope.h"
+#include "kernels/cuda/sampling.h"
+
+namespace dspark {
+namespace {
+
+using bf16 = __nv_bfloat16;
+using cuda::DeviceBuffer;
+using cuda::kBlockSize;
+using cuda::PinnedBuffer;
+
+constexpr int kMaxGraphBatch = 64;        // batch buckets 1, 2, 4, ... 64
+constexpr int kMaxGraphTokens = 64;       // tokens per sequence in a graphed step
+constexpr int kMaxTableRows = 1024;       // sequences alive at once (+1 for padding)
+constexpr long kMaxChunkTokens = 8192;    // a long single-sequence forward runs in chunks
+constexpr long kMaxPoolTokens = 1 << 18;  // KV pool cap
+constexpr long kPartialRowHeads = 8192;   // split-KV scratch: splits * rows bounded by this
+
+inline int ceil_div(long a, long b) { return static_cast<int>((a + b - 1) / b); }
+
+// Uploads a checkpoint tensor as bf16 (raw copy when it is stored as bf16).
+void upload_bf16(bf16* destination, const SafetensorsCheckpoint& checkpoint, const std::string& name,
+                 const Shape& shape) {
+  const SafetensorsFile& file = checkpoint.file_of(name);
+  const SafetensorsEntry& entry = file.entry(name);
+  DSPARK_CHECK(entry.shape == shape, file.path().string(), ": tensor \"", name, "\" has shape ",
+               shape_string(entry.shape), ", expected ", shape_string(shape));
+  const size_t count = static_cast<size_t>(shape_numel(shape));
+  if (entry.dtype == Dtype::BF16) {
+    CUDA_CHECK(cudaMemcpy(destination, file.raw(name), count * 2, cudaMemcpyHostToDevice));
+    return;
+  }
+  const Tensor values = checkpoint.load(name, shape);
+  std::vector<uint16_t> bits(count);
+  for (size_t i = 0; i < count; ++i) bits[i] = f32_to_bf16(values.data[i]);
+  CUDA_CHECK(cudaMemcpy(destination, bits.data(), count * 2, cudaMemcpyHostToDevice));
+}
+
+DeviceBuffer<float> upload_f32(const SafetensorsCheckpoint& checkpoint, const std::string& name, const Shape& shape) {
+  const Tensor values = checkpoint.load(name, shape);
+  DeviceBuffer<float> buffer(values.numel());
+  CUDA_CHECK(cudaMemcpy(buffer.data(), values.data, buffer.bytes(), cudaMemcpyHostToDevice));
+  return buffer;
+}
+
+// With DSPARK_PROFILE=1 every step runs eagerly with an event after each op;
+// the mean time per op and step is printed when the target is destroyed.
+class StepProfiler {
+ public:
+  StepProfiler() : enabled_(std::getenv("DSPARK_PROFILE") && std::string(std::getenv("DSPARK_PROFILE")) == "1") {}
+  ~StepProfiler() {
+    if (!enabled_ || steps_ == 0) return;
+    double total = 0.0;
+    for (const auto& [name, milliseconds] : totals_) total += milliseconds;
+    std::fprintf(stderr, "profile: %ld steps, %.3f ms per step\n", steps_, total / steps_);
+    for (const auto& [name, milliseconds] : totals_)
+      std::fprintf(stderr, "  %-22s %9.1f us  %5.1f%%\n", name.c_str(), 1e3 * milliseconds / steps_,
+                   100.0 * milliseconds / total);
+    for (cudaEvent_t event : events_) cudaEventDestroy(event);
+  }
+  bool enabled() const { return enabled_; }
+  void mark(const char* name, cudaStream_t stream) {
+    if (!enabled_) return;
+    if (marks_ == events_.size()) {
+      events_.emplace_back();
+      CUDA_CHECK(cudaEventCreate(&events_.back()));
+    }
+    CUDA_CHECK(cudaEventRecord(events_[marks_], stream));
+    names_.resize(marks_ + 1);
+    names_[marks_++] = name;
+  }
+  // Accumulates the time between consecutive marks under the later mark's name.
+  void finish_step() {
+    if (!enabled_ || marks_ == 0) return;
+    CUDA_CHECK(cudaEventSynchronize(events_[marks_ - 1]));
+    for (size_t i = 1; i < marks_; ++i) {
+      float milliseconds = 0.0f;
+      CUDA_CHECK(cudaEventElapsedTime(&milliseconds, events_[i - 1], events_[i]));
+      totals_[names_[i]] += milliseconds;
+    }
+    ++steps_;
+    marks_ = 0;
+  }
+
+ private:
+  bool enabled_;
+  std::vector<cudaEvent_t> events_;
+  std::vector<std::string> names_;
+  size_t marks_ = 0;
+  long steps_ = 0;
+  std::map<std::string, double> totals_;
+};
+
+struct CudaLayer {
+  DeviceBuffer<float> input_norm, post_attention_norm, q_norm, k_norm;  // f32, tiny
+  DeviceBuffer<bf16> qkv, qkv_bias;          // [(nh+2nkv)*hd, H], [(nh+2nkv)*hd]
+  DeviceBuffer<bf16> o_proj, o_bias;         // [H, nh*hd], [H]
+  DeviceBuffer<bf16> gate_up, gate_up_bias;  // [2F, H], [2F]
+  DeviceBuffer<bf16> down, down_bias;        // [H, F], [H]
+};
+
+struct SequenceState {
+  int capacity = 0;
+  int length = 0;
+  int table_row = 0;
+  std::vector<int32_t> blocks;
+};
+
+// Offsets (in 4-byte words) of the step metadata inside the staging buffers.
+struct StepLayout {
+  long tokens, positions, slots, query_start, query_length, sequence_length, table_row, logit_rows,
+      score_tokens, uniforms, words;
+  StepLayout(long max_tokens, long max_sequences) {
+    long at = (sizeof(cuda::DeviceSamplingParams) + 3) / 4;
+    auto take = [&](long count) { long begin = at; at += count; return begin; };
+    tokens = take(max_tokens), positions = take(max_tokens), slots = take(max_tokens);
+    query_start = take(max_sequences), query_length = take(max_sequences);
+    sequence_length = take(max_sequences), table_row = take(max_sequences);
+    logit_rows = take(max_tokens), score_tokens = take(max_tokens), uniforms = take(max_tokens);
+    words = at;
+  }
+};
+
+class CudaTarget final : public Target {
+ public:
+  explicit CudaTarget(const std::filesystem::path& directory);
+  ~CudaTarget() override;
+
+  const ModelConfig& config() const override { return config_; }
+  std::string device_description() const override { return "cuda: " + cuda::device_description(device_); }
+  int create_sequence(int capacity) override;
+  void release_sequence(int sequence) override;
+  int sequence_length(int sequence) const override { return state(sequence).length; }
+  void truncate_sequence(int sequence, int length) override;
+  void forward(std::span<const TargetInput> inputs, const TargetRequest& request, TargetResult& result) override;
+
+ private:
+  // What one forward runs, after padding: the shapes every kernel launch sees.
+  struct StepShape {
+    int tokens = 0, sequences = 0, logit_rows = 0, max_query_length = 0, splits = 1;
+    bool operator<(const StepShape& other) const {
+      return std::tie(tokens, sequences, logit_rows, max_query_length, splits) <
+             std::tie(other.tokens, other.sequences, other.logit_rows, other.max_query_length, other.splits);
+    }
+  };
+
+  const SequenceState& state(int sequence) const;
+  SequenceState& state(int sequence) { return const_cast<SequenceState&>(std::as_const(*this).state(sequence)); }
+  void ensure_blocks(SequenceState& sequence, int length);
+  void ensure_capacity(long tokens, long sequences);
+  int attention_splits(int tokens, int sequences, int max_query_length) const;
+  void forward_chunk(std::span<const TargetInput> inputs, const TargetRequest& request, TargetResult& result);
+  void run_step(const StepShape& shape, std::span<const int> taps, bool score);
+
+  ModelConfig config_;
+  int device_ = 0;
+  int multiprocessors_ = 0;
+  cudaStream_t stream_ = nullptr;
+  int qkv_width_ = 0;  // (nh + 2 nkv) * hd
+
+  DeviceBuffer<bf16> embed_tokens_, lm_head_storage_;
+  const bf16* lm_head_ = nullptr;
+  DeviceBuffer<float> final_norm_;
+  std::vector<CudaLayer> layers_;
+  DeviceBuffer<float2> rope_table_;  // [max_positions, hd/2] (cos, sin)
+
+  // Paged KV cache: per layer [pool_blocks * kBlockSize, nkv, hd].
+  long pool_blocks_ = 0;
+  std::vector<DeviceBuffer<bf16>> key_cache_, value_cache_;
+  std::vector<int32_t> free_blocks_;
+  int max_blocks_ = 0;  // blocks per sequence at the model's context
+  DeviceBuffer<int32_t> block_tables_;  // [kMaxTableRows + 1, max_blocks]; the last row: padding
+  std::vector<int> free_table_rows_;
+  std::map<int, SequenceState> sequences_;
+  int next_sequence_ = 0;
+
+  // Step metadata and activations, sized for max_tokens_ rows.
+  long max_tokens_ = 0, max_sequences_ = 0;
+  StepLayout layout_{0, 0};
+  PinnedBuffer<uint32_t> staging_;
+  DeviceBuffer<uint32_t> metadata_;
+  DeviceBuffer<float> residual_, logits_, nll_, taps_, partial_out_, partial_lse_;
+  DeviceBuffer<bf16> normed_, qkv_, queries_, attention_, projected_, gate_up_, activated_, head_input_;
+  DeviceBuffer<int32_t> chosen_;
+  PinnedBuffer<int32_t> chosen_host_;
+  PinnedBuffer<float> nll_host_;
+
+  StepProfiler profiler_;
+  std::map<StepShape, cudaGraphExec_t> graphs_;
+  std::map<StepShape, int> eager_runs_;  // a shape is captured on its second use
+};
+
+CudaTarget::CudaTarget(const std::filesystem::path& directory) {
+  config_ = load_model_config(directory);
+  const ModelConfig& c = config_;
+  CUDA_CHECK(cudaGetDevice(&device_));
+  CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors_, cudaDevAttrMultiProcessorCount, device_));
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  DSPARK_CHECK(c.head_dim == 16 || c.head_dim == 32 || c.head_dim == 64 || c.head_dim == 128,
+               "--device cuda: head_dim ", c.head_dim, " is not supported (16, 32, 64, 128)");
+
+  const SafetensorsCheckpoint checkpoint(directory);
+  const int64_t H = c.hidden_size, F = c.intermediate_size, V = c.vocab_size;
+  const int64_t q_size = int64_t{c.num_heads} * c.head_dim, kv_size = int64_t{c.num_kv_heads} * c.head_dim;
+  qkv_width_ = static_cast<int>(q_size + 2 * kv_size);
+
+  embed_tokens_.resize(V * H);
+  upload_bf16(embed_tokens_.data(), checkpoint, "model.embed_tokens.weight", {V, H});
+  if (c.tie_word_embeddings) {
+    lm_head_ = embed_tokens_.data();
+  } else {
+    lm_head_storage_.resize(V * H);
+    upload_bf16(lm_head_storage_.data(), checkpoint, "lm_head.weight", {V, H});
+    lm_head_ = lm_head_storage_.data();
+  }
+  final_norm_ = upload_f32(checkpoint, "model.norm.weight", {H});
+  for (int i = 0; i < c.num_layers; ++i) {
+    const std::string prefix = "model.layers." + std::to_string(i) + ".";
+    CudaLayer layer;
+    layer.input_norm = upload_f32(checkpoint, prefix + "input_layernorm.weight", {H});
+    layer.post_attention_norm = upload_f32(checkpoint, prefix + "post_attention_layernorm.weight", {H});
+    if (c.qk_norm) {
+      layer.q_norm = upload_f32(checkpoint, prefix + "self_attn.q_norm.weight", {c.head_dim});
+      layer.k_norm = upload_f32(checkpoint, prefix + "self_attn.k_norm.weight", {c.head_dim});
+    }
+    layer.qkv.resize(qkv_width_ * H);
+    upload_bf16(layer.qkv.data(), checkpoint, prefix + "self_attn.q_proj.weight", {q_size, H});
+    upload_bf16(layer.qkv.data() + q_size * H, checkpoint, prefix + "self_attn.k_proj.weight", {kv_size, H});
+    upload_bf16(layer.qkv.data() + (q_size + kv_size) * H, checkpoint, prefix + "self_attn.v_proj.weight", {kv_size, H});
+    if (c.attention_bias) {
+      layer.qkv_bias.resize(qkv_width_);
+      upload_bf16(layer.qkv_bias.data(), checkpoint, prefix + "self_attn.q_proj.bias", {q_size});
+      upload_bf16(layer.qkv_bias.data() + q_size, checkpoint, prefix + "self_attn.k_proj.bias", {kv_size});
+      upload_bf16(layer.qkv_bias.data() + q_size + kv_size, checkpoint, prefix + "self_attn.v_proj.bias", {kv_size});
+      if (checkpoint.contains(prefix + "self_attn.o_proj.bias")) {
+        layer.o_bias.resize(H);
+        upload_bf16(layer.o_bias.data(), checkpoint, prefix + "self_attn.o_proj.bias", {H});
+      }
+    }
+    layer.o_proj.resize(H * q_size);
+    upload_bf16(layer.o_proj.data(), checkpoint, prefix + "self_attn.o_proj.weight", {H, q_size});
+    layer.gate_up.resize(2 * F * H);
+    upload_bf16(layer.gate_up.data(), checkpoint, prefix + "mlp.gate_proj.weight", {F, H});
+    upload_bf16(layer.gate_up.data() + F * H, checkpoint, prefix + "mlp.up_proj.weight", {F, H});
+    layer.down.resize(H * F);
+    upload_bf16(layer.down.data(), checkpoint, prefix + "mlp.down_proj.weight", {H, F});
+    if (c.mlp_bias) {
+      layer.gate_up_bias.resize(2 * F);
+      upload_bf16(layer.gate_up_bias.data(), checkpoint, prefix + "mlp.gate_proj.bias", {F});
+      upload_bf16(layer.gate_up_bias.data() + F, checkpoint, prefix + "mlp.up_proj.bias", {F});
+      layer.down_bias.resize(H);
+      upload_bf16(layer.down_bias.data(), checkpoint, prefix + "mlp.down_proj.bias", {H});
+    }
+    layers_.push_back(std::move(layer));
+  }
+
+  // RoPE angles in double on the host, as the CPU path computes them.
+  const std::vector<double> frequencies = rope_inverse_frequencies(c);
+  const int half = c.head_dim / 2;
+  std::vector<float2> table(static_cast<size_t>(c.max_positions) * half);
+  for (int position = 0; position < c.max_positions; ++position)
+    for (int i = 0; i < half; ++i) {
+      const double angle = position * frequencies[i];
+      table[size_t(position) * half + i] = make_float2(static_cast<float>(std::cos(angle)),
+                                                       static_cast<float>(std::sin(angle)));
+    }
+  rope_table_.resize(table.size());
+  CUDA_CHECK(cudaMemcpy(rope_table_.data(), table.data(), rope_table_.bytes(), cudaMemcpyHostToDevice));
+
+  // KV pool: half of what is free after the weights, at most kMaxPoolTokens.
+  size_t free_bytes = 0, total_bytes = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const long bytes_per_token = 2L * c.num_layers * kv_size * 2;
+  const long pool_tokens = std::min<long>(kMaxPoolTokens, static_cast<long>(free_bytes / 2) / bytes_per_token);
+  pool_blocks_ = pool_tokens / kBlockSize;
+  DSPARK_CHECK(pool_blocks_ > 2, "--device cuda: no GPU memory left for the KV cache");
+  for (int l = 0; l < c.num_layers; ++l) {
+    key_cache_.emplace_back(pool_blocks_ * kBlockSize * kv_size);
+    value_cache_.emplace_back(pool_blocks_ * kBlockSize * kv_size);
+  }
+  for (long block = pool_blocks_ - 1; block >= 2; --block) free_blocks_.push_back(static_cast<int32_t>(block));
+  max_blocks_ = std::max(2, ceil_div(c.max_positions, kBlockSize));
+  block_tables_.resize(static_cast<size_t>(kMaxTableRows + 1) * max_blocks_);
+  const int32_t padding_blocks[2] = {0, 1};  // blocks 0 and 1 hold the padding sequences' writes
+  CUDA_CHECK(cudaMemcpy(block_tables_.data() + static_cast<size_t>(kMaxTableRows) * max_blocks_, padding_blocks,
+                        sizeof padding_blocks, cudaMemcpyHostToDevice));
+  for (int row = kMaxTableRows - 1; row >= 0; --row) free_table_rows_.push_back(row);
+  ensure_capacity(kMaxGraphBatch * 8, kMaxGraphBatch);
+}
+
+CudaTarget::~CudaTarget() {
+  for (auto& [shape, graph] : graphs_) cudaGraphExecDestroy(graph);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+const SequenceState& CudaTarget::state(int sequence) const {
+  auto found = sequences_.find(sequence);
+  DSPARK_CHECK(found != sequences_.end(), "unknown sequence ", sequence);
+  return found->second;
+}
+
+int CudaTarget::create_sequence(int capacity) {
+  DSPARK_CHECK(capacity > 0 && capacity <= config_.max_positions, "sequence capacity ", capacity,
+               " is outside the model's context of ", config_.max_positions, " positions");
+  DSPARK_CHECK(!free_table_rows_.empty(), "more than ", kMaxTableRows, " sequences at once");
+  SequenceState sequence;
+  sequence.capacity = capacity;
+  sequence.table_row = free_table_rows_.back();
+  free_table_rows_.pop_back();
+  sequences_.emplace(next_sequence_, std::move(sequence));
+  return next_sequence_++;
+}
+
+void CudaTarget::release_sequence(int sequence) {
+  SequenceState& released = state(sequence);
+  free_blocks_.insert(free_blocks_.end(), released.blocks.begin(), released.blocks.end());
+  free_table_rows_.push_back(released.table_row);
+  sequences_.erase(sequence);
+}
+
+void CudaTarget::truncate_sequence(int sequence, int length) {
+  SequenceState& truncated = state(sequence);
+  DSPARK_CHECK(length >= 0 && length <= truncated.length, "cannot truncate a sequence of length ",
+               truncated.length, " to ", length);
+  truncated.length = length;
+  const size_t keep = static_cast<size_t>(ceil_div(length, kBlockSize));
+  free_blocks_.insert(free_blocks_.end(), truncated.blocks.begin() + keep, truncated.blocks.end());
+  truncated.blocks.resize(keep);
+}
+
+void CudaTarget::ensure_blocks(SequenceState& sequence, int length) {
+  const size_t needed = static_cast<size_t>(ceil_div(length, kBlockSize));
+  const size_t first_new = sequence.blocks.size();
+  if (needed <= first_new) return;
+  DSPARK_CHECK(free_blocks_.size() >= needed - first_new, "the GPU KV cache is full (", pool_blocks_, " blocks of ",
+               kBlockSize, " tokens)");
+  while (sequence.blocks.size() < needed) {
+    sequence.blocks.push_back(free_blocks_.back());
+    free_blocks_.pop_back();
+  }
+  CUDA_CHECK(cudaMemcpyAsync(block_tables_.data() + static_cast<size_t>(sequence.table_row) * max_blocks_ + first_new,
+                             sequence.blocks.data() + first_new, (needed - first_new) * sizeof(int32_t),
+                             cudaMemcpyHostToDevice, stream_));
+}
+
+void CudaTarget::ensure_capacity(long tokens, long sequences) {
+  if (tokens <= max_tokens_ && sequences <= max_sequences_) return;
+  max_tokens_ = std::max(tokens, max_tokens_);
+  max_sequences_ = std::max(sequences, max_sequences_);
+  const ModelConfig& c = config_;
+  const long T = max_tokens_, H = c.hidden_size, q_size = long(c.num_heads) * c.head_dim;
+  layout_ = StepLayout(T, max_sequences_);
+  staging_.resize(layout_.words);
+  metadata_.resize(layout_.words);
+  residual_.resize(T * H);
+  normed_.resize(T * H);
+  qkv_.resize(T * qkv_width_);
+  queries_.resize(T * q_size);
+  attention_.resize(T * q_size);
+  projected_.resize(T * H);
+  gate_up_.resize(T * 2 * c.intermediate_size);
+  activated_.resize(T * c.intermediate_size);
+  head_input_.resize(T * H);
+  logits_.resize(T * c.vocab_size);
+  chosen_.resize(T);
+  nll_.resize(T);
+  chosen_host_.resize(T);
+  nll_host_.resize(T);
+  partial_out_.resize(kPartialRowHeads * c.num_heads * c.head_dim);
+  partial_lse_.resize(kPartialRowHeads * c.num_heads);
+  // Every captured graph points at the old buffers.
+  for (auto& [shape, graph] : graphs_) cudaGraphExecDestroy(graph);
+  graphs_.clear();
+  eager_runs_.clear();
+}
+
+int CudaTarget::attention_splits(int tokens, int sequences, int max_query_length) const {
+  // Enough CTAs for two waves, within the split-KV scratch.
+  const int group = config_.num_heads / config_.num_kv_heads;
+  const long blocks_per_split =
+      long(sequences) * config_.num_kv_heads * ceil_div(long(max_query_length) * group, cuda::kAttentionRowsPerBlock);
+  long splits = std::max<long>(1, (2L * multiprocessors_ + blocks_per_split - 1) / blocks_per_split);
+  splits = std::min<long>({splits, 32, std::max<long>(1, kPartialRowHeads / tokens)});
+  return static_cast<int>(splits);
+}
+
+void CudaTarget::forward(std::span<const TargetInput> inputs, const TargetRequest& request, TargetResult& result) {
+  DSPARK_CHECK(!inputs.empty(), "a forward needs at least one sequence");
+  // One long sequence (a prefill or a perplexity window) runs in chunks.
+  if (inputs.size() == 1 && long(inputs[0].tokens.size()) > kMaxChunkTokens) {
+    const TargetInput& input = inputs[0];
+    TargetResult part;
+    result = TargetResult{};
+    const size_t total = input.tokens.size();
+    for (size_t begin = 0; begin < total; begin += kMaxChunkTokens) {
+      const size_t count = std::min<size_t>(kMaxChunkTokens, total - begin);
+      const bool last = begin + count == total;
+      if (!input.all_rows && !last) {  // rows of this chunk produce no output: still run it
+        TargetInput chunk{input.sequence, input.tokens.subspan(begin, count), false};
+        TargetRequest silent;
+        silent.taps = request.taps;
+        forward_chunk({&chunk, 1}, silent, part);
+        result.taps.insert(result.taps.end(), part.taps.begin(), part.taps.end());
+        continue;
+      }
+      TargetInput chunk{input.sequence, input.tokens.subspan(begin, count), input.all_rows};
+      TargetRequest piece = request;
+      const size_t row_begin = input.all_rows ? begin : 0, rows = input.all_rows ? count : 1;
+      if (!request.uniforms.empty()) piece.uniforms = request.uniforms.subspan(row_begin, rows);
+      if (!request.score_tokens.empty()) piece.score_tokens = request.score_tokens.subspan(row_begin, rows);
+      forward_chunk({&chunk, 1}, piece, part);
+      result.tokens.insert(result.tokens.end(), part.tokens.begin(), part.tokens.end());
+      result.nll.insert(result.nll.end(), part.nll.begin(), part.nll.end());
+      result.logits.insert(result.logits.end(), part.logits.begin(), part.logits.end());
+      result.taps.insert(result.taps.end(), part.taps.begin(), part.taps.end());
+    }
+    return;
+  }
+  forward_chunk(inputs, request, result);
+}
+
+void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const TargetRequest& request,
+                               TargetResult& result) {
+  const ModelConfig& c = config_;
+  for (int tap : request.taps)
+    DSPARK_CHECK(tap >= 0 && tap <= c.num_layers, "tap index ", tap, " is outside 0..", c.num_layers);
+  // Real rows first, then padding sequences up to the batch bucket (graphable steps only).
+  const size_t per_sequence = inputs[0].tokens.size();
+  const bool uniform = std::all_of(inputs.begin(), inputs.end(), [&](const TargetInput& input) {
+    return input.tokens.size() == per_sequence && input.all_rows == inputs[0].all_rows;
+  });
+  const bool graphable = uniform && request.taps.empty() && request.score_tokens.empty() &&
+                         inputs.size() <= size_t(kMaxGraphBatch) && per_sequence <= size_t(kMaxGraphTokens);
+  int real_tokens = 0, real_rows = 0, max_query_length = 0;
+  for (const TargetInput& input : inputs) {
+    const SequenceState& sequence = state(input.sequence);
+    DSPARK_CHECK(!input.tokens.empty(), "a forward needs at least one token per sequence");
+    DSPARK_CHECK(sequence.length + long(input.tokens.size()) <= sequence.capacity, "context full: ",
+                 sequence.length, " + ", input.tokens.size(), " tokens exceed the sequence's capacity of ",
+                 sequence.capacity);
+    for (int32_t token : input.tokens)
+      DSPARK_CHECK(token >= 0 && token < c.vocab_size, "token id ", token, " is outside the vocabulary of ",
+                   c.vocab_size);
+    real_tokens += static_cast<int>(input.tokens.size());
+    real_rows += input.all_rows ? static_cast<int>(input.tokens.size()) : 1;
+    max_query_length = std::max(max_query_length, static_cast<int>(input.tokens.size()));
+  }
+  DSPARK_CHECK(request.sampling.greedy() || request.uniforms.size() == size_t(real_rows), "sampling needs ",
+               real_rows, " uniforms, got ", request.uniforms.size());
+  DSPARK_CHECK(request.score_tokens.empty() || request.score_tokens.size() == size_t(real_rows),
+               "scoring needs ", real_rows, " tokens, got ", request.score_tokens.size());
+  int sequences = static_cast<int>(inputs.size());
+  if (graphable) sequences = int(std::bit_ceil(unsigned(sequences)));
+  const int padding = sequences - static_cast<int>(inputs.size());
+  StepShape shape;
+  shape.sequences = sequences;
+  shape.tokens = real_tokens + padding * static_cast<int>(per_sequence);
+  shape.logit_rows = real_rows + padding * (inputs[0].all_rows ? static_cast<int>(per_sequence) : 1);
+  shape.max_query_length = max_query_length;
+  ensure_capacity(shape.tokens, shape.sequences);
+  shape.splits = attention_splits(shape.tokens, shape.sequences, shape.max_query_length);
+
+  // Pack the metadata.
+  uint32_t* words = staging_.data();
+  auto ints = [&](long offset) { return reinterpret_cast<int32_t*>(words + offset); };
+  cuda::DeviceSamplingParams params{request.sampling.greedy() ? 0.0f : request.sampling.temperature,
+                                    request.sampling.top_k, request.sampling.top_p};
+  std::memcpy(words, &params, sizeof params);
+  int row = 0, logit_row = 0;
+  auto add_sequence = [&](int index, int table_row, int start_length, std::span<const int32_t> tokens,
+                          const std::vector<int32_t>& blocks, bool all_rows) {
+    ints(layout_.query_start)[index] = row;
+    ints(layout_.query_length)[index] = static_cast<int>(tokens.size());
+    ints(layout_.sequence_length)[index] = start_length + static_cast<int>(tokens.size());
+    ints(layout_.table_row)[index] = table_row;
+    for (size_t i = 0; i < tokens.size(); ++i, ++row) {
+      const int position = start_length + static_cast<int>(i);
+      ints(layout_.tokens)[row] = tokens[i];
+      ints(layout_.positions)[row] = position;
+      ints(layout_.slots)[row] = blocks[position / kBlockSize] * kBlockSize + position % kBlockSize;
+      if (all_rows || i + 1 == tokens.size()) ints(layout_.logit_rows)[logit_row++] = row;
+    }
+  };
+  for (size_t index = 0; index < inputs.size(); ++index) {
+    SequenceState& sequence = state(inputs[index].sequence);
+    ensure_blocks(sequence, sequence.length + static_cast<int>(inputs[index].tokens.size()));
+    add_sequence(static_cast<int>(index), sequence.table_row, sequence.length, inputs[index].tokens, sequence.blocks,
+                 inputs[index].all_rows);
+  }
+  static const std::vector<int32_t> padding_blocks = {0, 1};
+  const std::vector<int32_t> padding_tokens(per_sequence, 0);
+  for (int index = static_cast<int>(inputs.size()); index < sequences; ++index)
+    add_sequence(index, kMaxTableRows, 0, padding_tokens, padding_blocks, inputs[0].all_rows);
+  for (int r = 0; r < real_rows; ++r) {
+    reinterpret_cast<float*>(words + layout_.uniforms)[r] =
+        request.uniforms.empty() ? 0.0f : static_cast<float>(request.uniforms[r]);
+    ints(layout_.score_tokens)[r] = request.score_tokens.empty() ? 0 : request.score_tokens[r];
+  }
+  CUDA_CHECK(cudaMemcpyAsync(metadata_.data(), words, layout_.words * sizeof(uint32_t), cudaMemcpyHostToDevice,
+                             stream_));
+
+  const bool score = !request.score_tokens.empty();
+  if (!request.taps.empty()) taps_.resize(size_t(shape.tokens) * request.taps.size() * c.hidden_size);
+  if (graphable && eager_runs_[shape] >= 1 && !profiler_.enabled()) {
+    auto found = graphs_.find(shape);
+    if (found == graphs_.end()) {
+      cudaGraph_t graph;
+      CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      run_step(shape, {}, false);
+      CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+      cudaGraphExec_t executable;
+      CUDA_CHECK(cudaGraphInstantiate(&executable, graph, 0));
+      CUDA_CHECK(cudaGraphDestroy(graph));
+      found = graphs_.emplace(shape, executable).first;
+    }
+    CUDA_CHECK(cudaGraphLaunch(found->second, stream_));
+  } else {
+    run_step(shape, request.taps, score);
+    if (graphable) ++eager_runs_[shape];
+    if (shape.tokens == shape.sequences) profiler_.finish_step();  // decode steps only
+  }
+  CUDA_CHECK(cudaMemcpyAsync(chosen_host_.data(), chosen_.data(), real_rows * sizeof(int32_t),
+                             cudaMemcpyDeviceToHost, stream_));
+  if (score)
+    CUDA_CHECK(cudaMemcpyAsync(nll_host_.data(), nll_.data(), real_rows * sizeof(float), cudaMemcpyDeviceToHost,
+                               stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+
+  result.tokens.assign(chosen_host_.data(), chosen_host_.data() + real_rows);
+  result.nll.assign(score ? nll_host_.data() : nullptr, score ? nll_host_.data() + real_rows : nullptr);
+  result.logits.clear();
+  if (request.want_logits) {
+    result.logits.resize(size_t(real_rows) * c.vocab_size);
+    CUDA_CHECK(cudaMemcpy(result.logits.data(), logits_.data(), result.logits.size() * sizeof(float),
+                          cudaMemcpyDeviceToHost));
+  }
+  result.taps.clear();
+  if (!request.taps.empty()) {
+    result.taps.resize(size_t(real_tokens) * request.taps.size() * c.hidden_size);
+    CUDA_CHECK(cudaMemcpy(result.taps.data(), taps_.data(), result.taps.size() * sizeof(float),
+                          cudaMemcpyDeviceToHost));
+  }
+  for (const TargetInput& input : inputs) state(input.sequence).length += static_cast<int>(input.tokens.size());
+}
+
+// The kernels of one forward, in order; the same sequence eager or captured.
+void CudaTarget::run_step(const StepShape& shape, std::span<const int> taps, bool score) {
+  const ModelConfig& c = config_;
+  const int T = shape.tokens, H = c.hidden_size, F = c.intermediate_size, V = c.vocab_size;
+  const int q_size = c.num_heads * c.head_dim;
+  const int32_t* meta = reinterpret_cast<const int32_t*>(metadata_.data());
+  const int32_t* tokens = meta + layout_.tokens;
+  const int32_t* positions = meta + layout_.positions;
+  const int32_t* slots = meta + layout_.slots;
+  cuda::AttentionBatch batch{meta + layout_.query_start, meta + layout_.query_length, meta + layout_.sequence_length,
+                             meta + layout_.table_row, block_tables_.data(), max_blocks_, shape.sequences,
+                             shape.max_query_length};
+  const int m = static_cast<int>(taps.size());
+  const long tap_stride = long(m) * H;
+  // Where tap index j (layer j's output, or L: the final normed hidden) goes, if requested.
+  auto tap_slot = [&](int j) -> float* {
+    for (int slot = 0; slot < m; ++slot)
+      if (taps[slot] == j) return taps_.data() + long(slot) * H;
+    return nullptr;
+  };
+  float* x = residual_.data();
+  cudaStream_t s = stream_;
+
+  StepProfiler& p = profiler_;
+  p.mark("start", s);
+  cuda::embedding_forward(x, embed_tokens_.data(), tokens, T, H, s);
+  p.mark("embedding", s);
+  for (int l = 0; l < c.num_layers; ++l) {
+    const CudaLayer& w = layers_[l];
+    if (l == 0)
+      cuda::rmsnorm_forward(normed_.data(), x, w.input_norm.data(), T, H, c.rms_norm_eps, s);
+    else  // completes layer l-1: x += its MLP output
+      cuda::residual_add_rmsnorm_forward(x, projected_.data(), normed_.data(), w.input_norm.data(), T, H,
+                                         c.rms_norm_eps, tap_slot(l - 1), nullptr, tap_stride, s);
+    p.mark("add+norm", s);
+    cuda::matmul_forward(qkv_.data(), cuda::MatmulOutput::BF16, normed_.data(), w.qkv.data(), w.qkv_bias.data(), T,
+                         H, qkv_width_, s);
+    p.mark("qkv gemm", s);
+    cuda::qkv_rope_kv_append_forward(queries_.data(), qkv_.data(), w.q_norm.data(), w.k_norm.data(), positions,
+                                     rope_table_.data(), key_cache_[l].data(), value_cache_[l].data(), slots, T,
+                                     c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, s);
+    p.mark("qk norm+rope+append", s);
+    cuda::attention_forward(attention_.data(), queries_.data(), key_cache_[l].data(), value_cache_[l].data(), batch,
+                            T, c.num_heads, c.num_kv_heads, c.head_dim, shape.splits, partial_out_.data(),
+                            partial_lse_.data(), s);
+    p.mark("attention", s);
+    cuda::matmul_forward(projected_.data(), cuda::MatmulOutput::BF16, attention_.data(), w.o_proj.data(),
+                         w.o_bias.data(), T, q_size, H, s);
+    p.mark("o gemm", s);
+    cuda::residual_add_rmsnorm_forward(x, projected_.data(), normed_.data(), w.post_attention_norm.data(), T, H,
+                                       c.rms_norm_eps, nullptr, nullptr, 0, s);
+    p.mark("add+norm", s);
+    cuda::matmul_forward(gate_up_.data(), cuda::MatmulOutput::BF16, normed_.data(), w.gate_up.data(),
+                         w.gate_up_bias.data(), T, H, 2 * F, s);
+    p.mark("gate|up gemm", s);
+    cuda::swiglu_forward(activated_.data(), gate_up_.data(), T, F, s);
+    p.mark("swiglu", s);
+    cuda::matmul_forward(projected_.data(), cuda::MatmulOutput::BF16, activated_.data(), w.down.data(),
+                         w.down_bias.data(), T, F, H, s);
+    p.mark("down gemm", s);
+  }
+  cuda::residual_add_rmsnorm_forward(x, projected_.data(), normed_.data(), final_norm_.data(), T, H, c.rms_norm_eps,
+                                     tap_slot(c.num_layers - 1), tap_slot(c.num_layers), tap_stride, s);
+  p.mark("add+norm", s);
+  const bf16* head_input = normed_.data();
+  if (shape.logit_rows != T) {
+    cuda::gather_rows_forward(head_input_.data(), normed_.data(), meta + layout_.logit_rows, shape.logit_rows, H, s);
+    head_input = head_input_.data();
+  }
+  cuda::matmul_forward(logits_.data(), cuda::MatmulOutput::F32, head_input, lm_head_, nullptr, shape.logit_rows, H,
+                       V, s);
+  p.mark("lm head gemm", s);
+  cuda::select_tokens_forward(chosen_.data(), logits_.data(),
+                              reinterpret_cast<const float*>(metadata_.data() + layout_.uniforms),
+                              reinterpret_cast<const cuda::DeviceSamplingParams*>(metadata_.data()),
+                              shape.logit_rows, V, s);
+  p.mark("token selection", s);
+  if (score) cuda::token_nll_forward(nll_.data(), logits_.data(), meta + layout_.score_tokens, shape.logit_rows, V, s);
+}
+
+}  // namespace
+
+std::unique_ptr<Target> make_cuda_target(const std::filesystem::path& model_directory) {
+  return std::make_unique<CudaTarget>(model_directory);
+}
+
+}  // namespace dspark

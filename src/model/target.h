@@ -1,0 +1,70 @@
+// Target: the target model on some device, behind one interface, so that
+// generation, perplexity, benchmarks and (later) speculative decoding are
+// written once. A target owns its weights and the KV caches of the sequences
+// it runs; callers name sequences by id.
+//
+// One forward() appends each input's tokens to its sequence and returns, for
+// every output row (each input's last token, or all of its tokens), the next
+// token: the argmax at temperature 0, else the token the processed
+// distribution puts at the caller's uniform. Logits stay on the device unless
+// asked for; this is what lets the CUDA target run a decode step with a single
+// device-to-host copy of token ids.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/sampling.h"
+#include "model/config.h"
+
+namespace dspark {
+
+struct TargetInput {
+  int sequence;                       // id from create_sequence()
+  std::span<const int32_t> tokens;    // appended at positions length() ...
+  bool all_rows = false;              // an output row per token, else only the last
+};
+
+struct TargetRequest {
+  cpu::SamplingParams sampling;           // how to pick each row's token (greedy at T = 0)
+  std::span<const double> uniforms;       // [R] one uniform in [0,1) per output row when sampling
+  std::span<const int32_t> score_tokens;  // [R] when set: nll[row] = -log softmax(logits[row])[token]
+  std::span<const int> taps;              // tap indices (0..L) whose rows to return
+  bool want_logits = false;               // copy the [R, V] logits to the host
+};
+
+struct TargetResult {
+  std::vector<int32_t> tokens;  // [R]
+  std::vector<float> nll;       // [R] when score_tokens was set
+  std::vector<float> logits;    // [R, V] when want_logits
+  std::vector<float> taps;      // [T, m, H] when taps were requested
+};
+
+class Target {
+ public:
+  virtual ~Target() = default;
+  virtual const ModelConfig& config() const = 0;
+  virtual std::string device_description() const = 0;
+
+  // A new empty sequence with room for `capacity` positions.
+  virtual int create_sequence(int capacity) = 0;
+  virtual void release_sequence(int sequence) = 0;
+  virtual int sequence_length(int sequence) const = 0;
+  // Rolls the sequence's KV cache back to `length` positions.
+  virtual void truncate_sequence(int sequence, int length) = 0;
+
+  virtual void forward(std::span<const TargetInput> inputs, const TargetRequest& request,
+                       TargetResult& result) = 0;
+};
+
+// "cpu", "cuda", or "auto" (cuda when a GPU is present and the build has CUDA).
+std::unique_ptr<Target> load_target(const std::filesystem::path& model_directory,
+                                    const std::string& device);
+
+// What "auto" resolves to on this machine.
+std::string default_device();
+
+}  // namespace dspark
