@@ -17,8 +17,9 @@ What it measures, per shape (qwen3-8b, qwen3-1.7b):
      torch.compile(model.forward, mode="reduce-overhead") for the decode steps
      (prefill runs uncompiled). Compilation and warm-up are guarded by a 240 s limit.
 
-How a step is timed: every decode step (forward + argmax of the last logits) is
-bracketed by two CUDA events on the current stream; the first steps are warm-up
+How a step is timed: dspark times itself (`bench decode`: host clock around each
+complete, synchronised step). For HF, every decode step (forward + argmax of the
+last logits) is bracketed by two CUDA events on the current stream; the first steps are warm-up
 and are dropped (5 for eager; 10 for compiled, which also covers compilation and
 CUDA-graph capture, timed separately on the wall clock); the result is the median
 of the remaining steps. tokens/s = B / median step time.
@@ -748,8 +749,10 @@ def markdown_section(records, gpu, command, args, versions):
     date = datetime.date.today().isoformat()
     lines = [f"## {date} decode, {gpu}", "", "```sh", command, "```", "",
              f"Random-weight bf16 checkpoints, batch {args.batch}, prompt {args.prompt_len} tokens, "
-             f"{args.gen} greedy decode steps; median step time over CUDA events after warm-up "
-             f"({EAGER_WARMUP_STEPS} steps eager, {COMPILE_WARMUP_STEPS} compiled). {versions}", ""]
+             f"{args.gen} greedy decode steps; median step time after warm-up. HF: CUDA events around "
+             f"each step ({EAGER_WARMUP_STEPS} warm-up steps eager, {COMPILE_WARMUP_STEPS} compiled); dspark: "
+             f"host clock around each complete, synchronised step (3 warm-up steps), so its numbers "
+             f"include every host overhead of its decode loop. {versions}", ""]
     lines += table_lines(records)
     lines += ["", "Roofline (B × copy bandwidth / bytes per step):", ""]
     lines += roofline_lines(records) or ["- n/a"]
@@ -783,6 +786,8 @@ def parse_args():
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--gen", type=int, default=128)
     parser.add_argument("--skip-compile", action="store_true", help="skip the static cache + torch.compile engine")
+    parser.add_argument("--checkpoints-only", action="store_true",
+                        help="only write the checkpoints (for benchmarking dspark alone)")
     parser.add_argument("--out", default=os.environ.get("OUT"),
                         help="folder for decode_vs_hf.json (default: $OUT if set, else none)")
     args = parser.parse_args()
@@ -816,6 +821,11 @@ def main():
         log(f"warning: {args.dspark} does not exist; the dspark rows will record the error")
 
     shapes = [name.strip() for name in args.shapes.split(",") if name.strip()]
+    if args.checkpoints_only:
+        for shape in shapes:
+            write_checkpoint(shape, os.path.join(args.workdir, shape))
+            free_gpu()
+        return 0
     records = []
     bandwidth_cache = {}
     for shape in shapes:

@@ -5,10 +5,12 @@
 #include <cstddef>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 #include <unistd.h>
 
+#include "core/error.h"
 #include "core/json.h"
 
 namespace dspark::testing {
@@ -34,6 +36,16 @@ inline double relative_error(const float* a, const float* b, size_t n) {
     norm += double(b[i]) * b[i];
   }
   return std::sqrt(difference / norm);
+}
+
+// The message of the dspark::Error `action` throws, or "(no error)".
+inline std::string error_of(const std::function<void()>& action) {
+  try {
+    action();
+  } catch (const Error& error) {
+    return error.what();
+  }
+  return "(no error)";
 }
 
 // "[1, 2, 3]" for failure messages.

@@ -20,24 +20,15 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string error_of(const std::function<void()>& action) {
-  try {
-    action();
-  } catch (const Error& error) {
-    return error.what();
-  }
-  return "(no error)";
-}
-
 TEST(ChatTemplate, DetectsFormats) {
   EXPECT_EQ(detect_chat_format("{% for m in messages %}<|im_start|>{{ m.role }}{% endfor %}", "x"),
             ChatFormat::ChatML);
   EXPECT_EQ(detect_chat_format("{{ bos_token }}<|start_header_id|>{{ role }}<|end_header_id|>", "x"),
             ChatFormat::Llama3);
-  std::string unknown = error_of([] { detect_chat_format("[INST] {{ content }} [/INST]", "m/tokenizer_config.json"); });
+  std::string unknown = testing::error_of([] { detect_chat_format("[INST] {{ content }} [/INST]", "m/tokenizer_config.json"); });
   EXPECT_NE(unknown.find("m/tokenizer_config.json"), std::string::npos) << unknown;
   EXPECT_NE(unknown.find("<|im_start|>"), std::string::npos) << unknown;
-  std::string absent = error_of([] { detect_chat_format("", "m/tokenizer_config.json"); });
+  std::string absent = testing::error_of([] { detect_chat_format("", "m/tokenizer_config.json"); });
   EXPECT_NE(absent.find("tokenizer_config.json"), std::string::npos) << absent;
   EXPECT_NE(absent.find("chat_template"), std::string::npos) << absent;
 }

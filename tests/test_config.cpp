@@ -74,13 +74,8 @@ TEST(ModelConfig, EosIdsFromConfigAndGenerationConfigTogether) {
 }
 
 TEST(ModelConfig, ClearRefusals) {
-  auto message_of = [](const std::filesystem::path& path) -> std::string {
-    try {
-      load_model_config(path);
-    } catch (const Error& error) {
-      return error.what();
-    }
-    return "";
+  auto message_of = [](const std::filesystem::path& path) {
+    return testing::error_of([&] { load_model_config(path); });
   };
   EXPECT_NE(message_of("/no/such/model").find("does not exist"), std::string::npos);
   TemporaryDirectory empty;

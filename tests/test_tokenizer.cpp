@@ -130,15 +130,6 @@ class TokenizerFiles : public ::testing::Test {
 
 using Ids = std::vector<int>;
 
-std::string error_of(const std::function<void()>& action) {
-  try {
-    action();
-  } catch (const Error& error) {
-    return error.what();
-  }
-  return "(no error)";
-}
-
 TEST_F(TokenizerFiles, MergesFollowRankNotPosition) {
   // "abc": with "b c" ranked first, b+c merge before a+b can.
   Vocabulary first_bc;
@@ -374,7 +365,7 @@ TEST_F(TokenizerFiles, DecodeRoundTripAndInvalidUtf8) {
   // Unknown ids are skipped.
   EXPECT_EQ(tokenizer.decode(Ids{'a', 999999, 'b'}), "ab");
   EXPECT_EQ(tokenizer.token_bytes(0xC3), "\xC3");
-  EXPECT_NE(error_of([&] { tokenizer.token_bytes(999999); }).find("999999"), std::string::npos);
+  EXPECT_NE(testing::error_of([&] { tokenizer.token_bytes(999999); }).find("999999"), std::string::npos);
   // Invalid UTF-8 in the input is replaced before tokenizing.
   EXPECT_EQ(tokenizer.encode("a\xFF"), (Ids{'a', 0xEF, 0xBF, 0xBD}));
 }
@@ -456,33 +447,33 @@ TEST_F(TokenizerFiles, LongWhitespaceRunsAreFast) {
 }
 
 TEST_F(TokenizerFiles, ClearErrors) {
-  std::string missing = error_of([&] { Tokenizer::load(directory_ / "nowhere"); });
+  std::string missing = testing::error_of([&] { Tokenizer::load(directory_ / "nowhere"); });
   EXPECT_NE(missing.find("tokenizer.json"), std::string::npos) << missing;
 
   Json word_piece = {{"type", "WordPiece"}, {"vocab", {{"a", 0}}}};
-  std::string model_error = error_of([&] { load(tokenizer_json(word_piece, nullptr)); });
+  std::string model_error = testing::error_of([&] { load(tokenizer_json(word_piece, nullptr)); });
   EXPECT_NE(model_error.find("WordPiece"), std::string::npos) << model_error;
   EXPECT_NE(model_error.find("tokenizer.json"), std::string::npos) << model_error;
 
   Vocabulary vocabulary;
   std::string pre_tokenizer_error =
-      error_of([&] { load(tokenizer_json(vocabulary.model(), {{"type", "Whitespace"}})); });
+      testing::error_of([&] { load(tokenizer_json(vocabulary.model(), {{"type", "Whitespace"}})); });
   EXPECT_NE(pre_tokenizer_error.find("Whitespace"), std::string::npos) << pre_tokenizer_error;
-  std::string normalizer_error = error_of(
+  std::string normalizer_error = testing::error_of(
       [&] { load(tokenizer_json(vocabulary.model(), nullptr, Json::array(), {{"type", "Lowercase"}})); });
   EXPECT_NE(normalizer_error.find("Lowercase"), std::string::npos) << normalizer_error;
-  std::string decoder_error = error_of([&] {
+  std::string decoder_error = testing::error_of([&] {
     load(tokenizer_json(vocabulary.model(), nullptr, Json::array(), nullptr, nullptr, {{"type", "WordPiece"}}));
   });
   EXPECT_NE(decoder_error.find("decoder"), std::string::npos) << decoder_error;
-  std::string processor_error = error_of([&] {
+  std::string processor_error = testing::error_of([&] {
     load(tokenizer_json(vocabulary.model(), nullptr, Json::array(), nullptr, {{"type", "Unknown"}}));
   });
   EXPECT_NE(processor_error.find("Unknown"), std::string::npos) << processor_error;
 
   Vocabulary broken;
   broken.merges.push_back(Json::array({"a", "zz"}));
-  std::string merge_error = error_of([&] { load(tokenizer_json(broken.model(), nullptr)); });
+  std::string merge_error = testing::error_of([&] { load(tokenizer_json(broken.model(), nullptr)); });
   EXPECT_NE(merge_error.find("zz"), std::string::npos) << merge_error;
 }
 
@@ -501,7 +492,7 @@ TEST_F(TokenizerFiles, ChatTemplateFromConfig) {
                            Json{{"eos_token", nullptr}});
   EXPECT_TRUE(without.chat_template_source().empty());
   EXPECT_EQ(without.bos_token_id(), std::nullopt);
-  std::string error = error_of([&] { without.apply_chat_template(messages, true); });
+  std::string error = testing::error_of([&] { without.apply_chat_template(messages, true); });
   EXPECT_NE(error.find("tokenizer_config.json"), std::string::npos) << error;
 }
 

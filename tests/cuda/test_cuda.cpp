@@ -91,26 +91,28 @@ constexpr double kBf16Tolerance = 1e-2;  // bf16 outputs of f32 math on bf16 inp
 // ---------------------------------------------------------------- ops
 
 TEST(CudaOps, RmsnormWithResidualAndTaps) {
-  const int rows = 5, dim = 320;
-  const auto x = random_values(rows * dim, 1), weight = random_values(dim, 2);
-  const auto delta = bf16_rounded(random_values(rows * dim, 3));
-  std::vector<float> summed(x), expected(rows * dim);
-  cpu::residual_add(summed.data(), delta.data(), summed.size());
-  cpu::rmsnorm_forward(expected.data(), summed.data(), weight.data(), rows, dim, 1e-6f);
+  for (int dim : {320, 4096, 322}) {  // vector kernels, and the scalar one for odd sizes
+    const int rows = 5;
+    const auto x = random_values(rows * dim, 1), weight = random_values(dim, 2);
+    const auto delta = bf16_rounded(random_values(rows * dim, 3));
+    std::vector<float> summed(x), expected(rows * dim);
+    cpu::residual_add(summed.data(), delta.data(), summed.size());
+    cpu::rmsnorm_forward(expected.data(), summed.data(), weight.data(), rows, dim, 1e-6f);
 
-  auto residual = to_device(x);
-  auto delta_device = to_device_bf16(delta);
-  auto weight_device = to_device(weight);
-  DeviceBuffer<bf16> out(rows * dim);
-  DeviceBuffer<float> taps(rows * 2 * dim);
-  cuda::residual_add_rmsnorm_forward(residual.data(), delta_device.data(), out.data(), weight_device.data(), rows,
-                                     dim, 1e-6f, taps.data(), taps.data() + dim, 2 * dim, nullptr);
-  EXPECT_LE(relative_error(from_device(out).data(), expected.data(), expected.size()), kBf16Tolerance);
-  EXPECT_LE(relative_error(from_device(residual).data(), summed.data(), summed.size()), 1e-6);
-  const auto tap_values = from_device(taps);
-  for (int r = 0; r < rows; ++r) {
-    EXPECT_LE(relative_error(tap_values.data() + r * 2 * dim, summed.data() + r * dim, dim), 1e-6);
-    EXPECT_LE(relative_error(tap_values.data() + r * 2 * dim + dim, expected.data() + r * dim, dim), 1e-5);
+    auto residual = to_device(x);
+    auto delta_device = to_device_bf16(delta);
+    auto weight_device = to_device(weight);
+    DeviceBuffer<bf16> out(rows * dim);
+    DeviceBuffer<float> taps(rows * 2 * dim);
+    cuda::residual_add_rmsnorm_forward(residual.data(), delta_device.data(), out.data(), weight_device.data(), rows,
+                                       dim, 1e-6f, taps.data(), taps.data() + dim, 2 * dim, nullptr);
+    EXPECT_LE(relative_error(from_device(out).data(), expected.data(), expected.size()), kBf16Tolerance) << dim;
+    EXPECT_LE(relative_error(from_device(residual).data(), summed.data(), summed.size()), 1e-6) << dim;
+    const auto tap_values = from_device(taps);
+    for (int r = 0; r < rows; ++r) {
+      EXPECT_LE(relative_error(tap_values.data() + r * 2 * dim, summed.data() + r * dim, dim), 1e-6) << dim;
+      EXPECT_LE(relative_error(tap_values.data() + r * 2 * dim + dim, expected.data() + r * dim, dim), 1e-5) << dim;
+    }
   }
 }
 
@@ -127,7 +129,7 @@ TEST(CudaOps, SwigluMatchesCpu) {
 }
 
 TEST(CudaOps, MatmulMatchesCpu) {
-  for (int rows : {1, 7, 64, 300}) {
+  for (int rows : {1, 3, 8, 64, 300}) {
     const int in = 256, out_features = 384;
     const auto x = bf16_rounded(random_values(rows * in, 5)), weight = bf16_rounded(random_values(out_features * in, 6));
     const auto bias = bf16_rounded(random_values(out_features, 7));
@@ -143,6 +145,24 @@ TEST(CudaOps, MatmulMatchesCpu) {
     cuda::matmul_forward(out_f32.data(), cuda::MatmulOutput::F32, x_device.data(), weight_device.data(), nullptr,
                          rows, in, out_features, nullptr);
     EXPECT_LE(relative_error(from_device(out_f32).data(), expected.data(), expected.size()), 1e-5) << rows;
+  }
+}
+
+TEST(CudaOps, SwigluMatmulMatchesCpu) {
+  for (int rows : {1, 4, 16}) {  // fused into the GEMV, or swiglu then cuBLASLt
+    const int in = 512, out_features = 256;
+    const auto gate_up = bf16_rounded(random_values(rows * 2 * in, 11, 2.0f));
+    const auto weight = bf16_rounded(random_values(out_features * in, 12));
+    std::vector<float> activated(rows * in), expected(rows * out_features);
+    for (int r = 0; r < rows; ++r)
+      cpu::swiglu_forward(activated.data() + r * in, gate_up.data() + r * 2 * in, gate_up.data() + r * 2 * in + in, in);
+    activated = bf16_rounded(activated);
+    cpu::matmul_forward(expected.data(), activated.data(), weight.data(), nullptr, rows, in, out_features);
+    auto gate_up_device = to_device_bf16(gate_up), weight_device = to_device_bf16(weight);
+    DeviceBuffer<bf16> scratch(rows * in), out(rows * out_features);
+    cuda::swiglu_matmul_forward(out.data(), cuda::MatmulOutput::BF16, gate_up_device.data(), scratch.data(),
+                                weight_device.data(), nullptr, rows, in, out_features, nullptr);
+    EXPECT_LE(relative_error(from_device(out).data(), expected.data(), expected.size()), kBf16Tolerance) << rows;
   }
 }
 

@@ -6,6 +6,7 @@ namespace dspark::cuda {
 namespace {
 
 constexpr int kWarps = 4;
+
 constexpr int kRowsPerWarp = kAttentionRowsPerBlock / kWarps;
 
 // grid: x = KV split, y = kv head, z = sequence * row_blocks + row block.
@@ -15,15 +16,14 @@ constexpr int kRowsPerWarp = kAttentionRowsPerBlock / kWarps;
 // head_dim/32 output dims.
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(kWarps * 32)
-    attention_kernel(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_cache,
-                     AttentionBatch batch, int heads, int kv_heads, int splits, int row_blocks,
-                     float* partial_out, float* partial_lse, int total_rows) {
+    attention_kernel(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_cache, AttentionBatch batch,
+                     int heads, int kv_heads, int splits, int row_blocks, float* partial_out, float* partial_lse,
+                     int total_rows) {
   constexpr int kPad = 2;  // row stride HEAD_DIM + 2 bf16: lanes reading their own key hit distinct banks
   constexpr int kDimsPerLane = HEAD_DIM >= 32 ? HEAD_DIM / 32 : 1;
   __shared__ __align__(16) bf16 keys[kBlockSize][HEAD_DIM + kPad];
   __shared__ __align__(16) bf16 values[kBlockSize][HEAD_DIM + kPad];
   __shared__ float queries[kAttentionRowsPerBlock][HEAD_DIM];
-
   const int sequence = blockIdx.z / row_blocks, row_block = blockIdx.z % row_blocks;
   const int kv_head = blockIdx.y, split = blockIdx.x;
   const int group = heads / kv_heads;
@@ -37,7 +37,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int32_t* blocks = batch.block_tables + static_cast<long>(batch.table_row[sequence]) * batch.max_blocks;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float scale = rsqrtf(static_cast<float>(HEAD_DIM));
-
   // This CTA's rows; the last one bounds the causal range it needs.
   const int last_row = min(rows, first_row + kAttentionRowsPerBlock) - 1;
   const int visible_end = first_query_position + last_row / group + 1;
@@ -45,8 +44,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int tiles_per_split = (tiles + splits - 1) / splits;
   const int tile_begin = split * tiles_per_split;
   const int tile_end = min(tiles, tile_begin + tiles_per_split);
-
-  for (int i = threadIdx.x; i < kAttentionRowsPerBlock * HEAD_DIM; i += blockDim.x) {
+#pragma unroll
+  for (int i = threadIdx.x; i < kAttentionRowsPerBlock * HEAD_DIM; i += kWarps * 32) {  // unrolled: loads overlap
     const int local = i / HEAD_DIM, row = first_row + local;
     float value = 0.0f;
     if (row < rows) {
@@ -55,7 +54,6 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
     queries[local][i % HEAD_DIM] = value;
   }
-
   float running_max[kRowsPerWarp], running_sum[kRowsPerWarp], accumulator[kRowsPerWarp][kDimsPerLane];
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
@@ -64,18 +62,33 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
     for (int d = 0; d < kDimsPerLane; ++d) accumulator[r][d] = 0.0f;
   }
-
   for (int tile = tile_begin; tile < tile_end; ++tile) {
     __syncthreads();  // the previous tile is no longer read (and queries are written)
     const long slot0 = static_cast<long>(blocks[tile]) * kBlockSize;
-    constexpr int kPairsPerRow = HEAD_DIM / 2;
-    for (int i = threadIdx.x; i < kBlockSize * kPairsPerRow; i += blockDim.x) {
-      const int position = i / kPairsPerRow, pair = i % kPairsPerRow;
-      const long offset = ((slot0 + position) * kv_heads + kv_head) * HEAD_DIM + 2 * pair;
-      *reinterpret_cast<__nv_bfloat162*>(&keys[position][2 * pair]) =
-          *reinterpret_cast<const __nv_bfloat162*>(key_cache + offset);
-      *reinterpret_cast<__nv_bfloat162*>(&values[position][2 * pair]) =
-          *reinterpret_cast<const __nv_bfloat162*>(value_cache + offset);
+    // 16-byte loads, all issued before the first store (the tile is one cache
+    // block: kBlockSize consecutive slots), then 4-byte stores into the padded rows.
+    constexpr int kVectorsPerRow = HEAD_DIM / 8;
+    constexpr int kTileVectors = kBlockSize * kVectorsPerRow;
+    constexpr int kVectorsPerThread = (kTileVectors + kWarps * 32 - 1) / (kWarps * 32);
+    uint4 key_vectors[kVectorsPerThread], value_vectors[kVectorsPerThread];
+#pragma unroll
+    for (int j = 0; j < kVectorsPerThread; ++j) {
+      const int i = threadIdx.x + j * kWarps * 32;
+      if (i >= kTileVectors) break;
+      const long offset = ((slot0 + i / kVectorsPerRow) * kv_heads + kv_head) * HEAD_DIM + (i % kVectorsPerRow) * 8;
+      key_vectors[j] = *reinterpret_cast<const uint4*>(key_cache + offset);
+      value_vectors[j] = *reinterpret_cast<const uint4*>(value_cache + offset);
+    }
+#pragma unroll
+    for (int j = 0; j < kVectorsPerThread; ++j) {
+      const int i = threadIdx.x + j * kWarps * 32;
+      if (i >= kTileVectors) break;
+      uint32_t* key_words = reinterpret_cast<uint32_t*>(&keys[i / kVectorsPerRow][(i % kVectorsPerRow) * 8]);
+      uint32_t* value_words = reinterpret_cast<uint32_t*>(&values[i / kVectorsPerRow][(i % kVectorsPerRow) * 8]);
+      key_words[0] = key_vectors[j].x, key_words[1] = key_vectors[j].y;
+      key_words[2] = key_vectors[j].z, key_words[3] = key_vectors[j].w;
+      value_words[0] = value_vectors[j].x, value_words[1] = value_vectors[j].y;
+      value_words[2] = value_vectors[j].z, value_words[3] = value_vectors[j].w;
     }
     __syncthreads();
     const int key_position = tile * kBlockSize + lane;
@@ -112,7 +125,6 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
     }
   }
-
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
     const int local = r * kWarps + warp, row = first_row + local;
@@ -137,18 +149,20 @@ __global__ void __launch_bounds__(kWarps * 32)
 }
 
 // Merges the splits of one (row, head): softmax-weighted by each split's
-// log-sum-exp. One block per (row, head), one thread per dim.
+// log-sum-exp. One block per (row, head), one thread per dim; the loops are
+// unrolled so a split's loads do not wait for the previous split's.
 __global__ void merge_splits_kernel(bf16* out, const float* partial_out, const float* partial_lse, int splits,
                                     long row_heads, int head_dim) {
   const long row_head = blockIdx.x;
   float maximum = -INFINITY;
+#pragma unroll 8
   for (int s = 0; s < splits; ++s) maximum = fmaxf(maximum, partial_lse[s * row_heads + row_head]);
   for (int dim = threadIdx.x; dim < head_dim; dim += blockDim.x) {
     float total = 0.0f, weight_sum = 0.0f;
+#pragma unroll 8
     for (int s = 0; s < splits; ++s) {
       const float lse = partial_lse[s * row_heads + row_head];
-      if (lse == -INFINITY) continue;
-      const float weight = __expf(lse - maximum);
+      const float weight = lse == -INFINITY ? 0.0f : __expf(lse - maximum);  // empty splits wrote zeros
       weight_sum += weight;
       total += weight * partial_out[(s * row_heads + row_head) * head_dim + dim];
     }
@@ -160,33 +174,32 @@ template <int HEAD_DIM>
 void launch(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_cache, const AttentionBatch& batch,
             int total_rows, int heads, int kv_heads, int splits, float* partial_out, float* partial_lse,
             cudaStream_t stream) {
-  const int row_blocks = ceil_div(static_cast<long>(batch.max_query_length) * (heads / kv_heads),
-                                  kAttentionRowsPerBlock);
+  const int row_blocks =
+      ceil_div(static_cast<long>(batch.max_query_length) * (heads / kv_heads), kAttentionRowsPerBlock);
   const dim3 grid(splits, kv_heads, batch.sequences * row_blocks);
-  attention_kernel<HEAD_DIM><<<grid, kWarps * 32, 0, stream>>>(out, q, key_cache, value_cache, batch, heads,
-                                                               kv_heads, splits, row_blocks, partial_out,
-                                                               partial_lse, total_rows);
+  attention_kernel<HEAD_DIM><<<grid, kWarps * 32, 0, stream>>>(
+      out, q, key_cache, value_cache, batch, heads, kv_heads, splits, row_blocks, partial_out, partial_lse, total_rows);
   CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
 
 void attention_forward(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_cache,
-                       const AttentionBatch& batch, int total_rows, int heads, int kv_heads, int head_dim,
-                       int splits, float* partial_out, float* partial_lse, cudaStream_t stream) {
-  switch (head_dim) {
-    case 16: launch<16>(out, q, key_cache, value_cache, batch, total_rows, heads, kv_heads, splits, partial_out, partial_lse, stream); break;
-    case 32: launch<32>(out, q, key_cache, value_cache, batch, total_rows, heads, kv_heads, splits, partial_out, partial_lse, stream); break;
-    case 64: launch<64>(out, q, key_cache, value_cache, batch, total_rows, heads, kv_heads, splits, partial_out, partial_lse, stream); break;
-    case 128: launch<128>(out, q, key_cache, value_cache, batch, total_rows, heads, kv_heads, splits, partial_out, partial_lse, stream); break;
-    default: fail("attention: head_dim ", head_dim, " is not supported (16, 32, 64, 128)");
-  }
+                       const AttentionBatch& batch, int total_rows, int heads, int kv_heads, int head_dim, int splits,
+                       float* partial_out, float* partial_lse, cudaStream_t stream) {
+  auto launch_for_head_dim = head_dim == 16    ? launch<16>
+                             : head_dim == 32  ? launch<32>
+                             : head_dim == 64  ? launch<64>
+                             : head_dim == 128 ? launch<128>
+                                               : nullptr;
+  if (!launch_for_head_dim) fail("attention: head_dim ", head_dim, " is not supported (16, 32, 64, 128)");
+  launch_for_head_dim(out, q, key_cache, value_cache, batch, total_rows, heads, kv_heads, splits, partial_out,
+                      partial_lse, stream);
   if (splits > 1) {
     const long row_heads = static_cast<long>(total_rows) * heads;
-    merge_splits_kernel<<<row_heads, min(head_dim, 256), 0, stream>>>(out, partial_out, partial_lse, splits,
-                                                                      row_heads, head_dim);
+    merge_splits_kernel<<<dim3(row_heads), dim3(min(head_dim, 256)), 0, stream>>>(out, partial_out, partial_lse, splits,
+                                                                                  row_heads, head_dim);
     CUDA_CHECK_LAUNCH();
   }
 }
-
 }  // namespace dspark::cuda

@@ -18,4 +18,11 @@ void matmul_forward(void* out, MatmulOutput out_type, const __nv_bfloat16* x, co
                     const __nv_bfloat16* bias, int rows, int in_features, int out_features,
                     cudaStream_t stream);
 
+// out = (silu(gate_up[:, :in]) * gate_up[:, in:]) @ weight^T (+ bias): the MLP's
+// down projection with SwiGLU fused in. gate_up [rows, 2 * in]; `activated`
+// [rows, in] is scratch for the shapes that run unfused.
+void swiglu_matmul_forward(void* out, MatmulOutput out_type, const __nv_bfloat16* gate_up, __nv_bfloat16* activated,
+                           const __nv_bfloat16* weight, const __nv_bfloat16* bias, int rows, int in_features,
+                           int out_features, cudaStream_t stream);
+
 }  // namespace dspark::cuda
