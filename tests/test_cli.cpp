@@ -6,6 +6,7 @@
 #include "core/json.h"
 #include "golden.h"
 #include "model/tokenizer.h"
+#include "spec/drafter.h"
 
 namespace dspark {
 namespace {
@@ -119,6 +120,42 @@ TEST(CliErrors, BadFlagsExitNonZero) {
   const auto result = run_dspark({"generate", "--temperature", "-1"});
   EXPECT_NE(result.exit_code, 0);
   EXPECT_NE(result.exit_code, -1);
+}
+
+}  // namespace
+}  // namespace dspark
+
+namespace dspark {
+namespace {
+
+TEST(CliDraftInit, WritesALoadableDrafterForTheTarget) {
+  TemporaryDirectory directory;
+  const auto output = directory.path / "drafter";
+  const auto result = run_dspark({"draft-init", "-m", testing::golden_model("qwen3").string(), "-o", output.string(),
+                                  "--gamma", "4", "--d-draft", "32", "--layers", "2", "--heads", "4", "--markov-rank",
+                                  "8", "--seq-head", "rnn", "--seed", "9"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  const Drafter drafter = load_drafter(output);
+  EXPECT_EQ(drafter.config.seq_head, "rnn");
+  EXPECT_EQ(drafter.config.tap_layers, default_tap_layers(4));
+  EXPECT_EQ(drafter.target_id, "qwen3");
+  check_drafter_matches_target(drafter, load_model_config(testing::golden_model("qwen3")), "qwen3");
+  // Same flags, same seed: the same weights.
+  const auto again = run_dspark({"draft-init", "-m", testing::golden_model("qwen3").string(), "-o",
+                                 (directory.path / "again").string(), "--gamma", "4", "--d-draft", "32", "--layers",
+                                 "2", "--heads", "4", "--markov-rank", "8", "--seq-head", "rnn", "--seed", "9"});
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_EQ(read_text_file(output / "model.safetensors"), read_text_file(directory.path / "again" / "model.safetensors"));
+}
+
+TEST(CliDraftInit, BadTapLayersAreRefused) {
+  TemporaryDirectory directory;
+  expect_one_error_line(run_dspark({"draft-init", "-m", testing::golden_model("qwen3").string(), "-o",
+                                    directory.path.string(), "--tap-layers", "1,2", "--d-draft", "32", "--heads", "4"}),
+                        "last tap layer must be 4");
+  expect_one_error_line(run_dspark({"draft-init", "-m", testing::golden_model("qwen3").string(), "-o",
+                                    directory.path.string(), "--d-draft", "30", "--heads", "4"}),
+                        "not a multiple");
 }
 
 }  // namespace

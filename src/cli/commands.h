@@ -22,5 +22,6 @@ inline void add_device_option(CLI::App& command, std::string& device) {
 void add_generate_command(CLI::App& app);
 void add_perplexity_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
+void add_draft_init_command(CLI::App& app);
 
 }  // namespace dspark::cli

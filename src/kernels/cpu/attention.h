@@ -15,4 +15,10 @@ void attention_forward(float* out, const float* q, const float* keys, const floa
                        int rows, int first_position, int heads, int kv_heads, int head_dim,
                        float* scores);
 
+// Unmasked multi-head attention (the drafter's block attends to all of its
+// context and to itself): q [rows, heads, hd]; keys, values [kv_rows, heads, hd];
+// out [rows, heads, hd]; scale hd^-0.5. `scores` is scratch of kv_rows floats.
+void bidirectional_attention_forward(float* out, const float* q, const float* keys, const float* values, int rows,
+                                     int kv_rows, int heads, int head_dim, float* scores);
+
 }  // namespace dspark::cpu

@@ -19,4 +19,14 @@ void matmul_forward(float* out, const float* x, const float* weight, const float
         out[static_cast<long>(row) * out_features + column] += bias[column];
 }
 
+void matmul_in_out_forward(float* out, const float* x, const float* weight, int rows, int in_features,
+                           int out_features) {
+  if (rows == 1) {
+    cblas_sgemv(CblasRowMajor, CblasTrans, in_features, out_features, 1.0f, weight, out_features, x, 1, 0.0f, out, 1);
+  } else {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, out_features, in_features, 1.0f, x, in_features,
+                weight, out_features, 0.0f, out, out_features);
+  }
+}
+
 }  // namespace dspark::cpu

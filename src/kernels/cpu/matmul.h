@@ -9,4 +9,8 @@ namespace dspark::cpu {
 void matmul_forward(float* out, const float* x, const float* weight, const float* bias, int rows,
                     int in_features, int out_features);
 
+// out = x @ weight, with weight stored [in, out] (the drafter's layout).
+void matmul_in_out_forward(float* out, const float* x, const float* weight, int rows, int in_features,
+                           int out_features);
+
 }  // namespace dspark::cpu

@@ -1,0 +1,249 @@
+#include "spec/draft.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "kernels/cpu/activation.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/rmsnorm.h"
+
+namespace dspark {
+namespace {
+
+template <class T>
+T* grow(std::vector<T>& buffer, size_t count) {
+  if (buffer.size() < count) buffer.resize(count);
+  return buffer.data();
+}
+
+float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+std::string layer_name(int layer, const char* tensor) { return "bb." + std::to_string(layer) + "." + tensor; }
+
+// The parallel backbone for B rows: work.hidden [B*γ, d] = h, work.base_logits
+// [B*γ, V] = U. Row b's block attends to its retained context and to itself.
+void backbone_forward(const Drafter& drafter, const TargetHead& head, std::span<const DraftContext* const> contexts,
+                      std::span<const int32_t> anchors, DraftWorkspace& work) {
+  const DrafterConfig& c = drafter.config;
+  const int B = static_cast<int>(anchors.size()), gamma = c.gamma, d = c.d_draft, inner = c.ff_mult * d;
+  const int H = drafter.dims.hidden_size, V = drafter.dims.vocab_size, rows = B * gamma;
+  const float eps = drafter.dims.eps;
+  int longest_context = 0;
+  for (const DraftContext* context : contexts) longest_context = std::max(longest_context, context->length);
+
+  float* block = grow(work.block, size_t(rows) * d);
+  float* normed = grow(work.normed, size_t(rows) * d);
+  float* q = grow(work.q, size_t(rows) * d);
+  float* k = grow(work.k, size_t(rows) * d);
+  float* v = grow(work.v, size_t(rows) * d);
+  float* attention = grow(work.attention, size_t(rows) * d);
+  float* projected = grow(work.projected, size_t(rows) * std::max(d, H));
+  float* gate = grow(work.gate, size_t(rows) * inner);
+  float* up = grow(work.up, size_t(rows) * inner);
+  float* keys = grow(work.keys, size_t(longest_context + gamma) * d);
+  float* values = grow(work.values, size_t(longest_context + gamma) * d);
+  float* scores = grow(work.scores, size_t(longest_context + gamma));
+  float* hidden = grow(work.hidden, size_t(rows) * d);
+
+  // Block rows: row 0 = E[anchor] @ tok_proj + block_pos[0]; row k = mask_emb[k-1] + block_pos[k].
+  for (int b = 0; b < B; ++b) {
+    DSPARK_CHECK(anchors[b] >= 0 && anchors[b] < V, "draft anchor ", anchors[b], " is outside the vocabulary of ", V);
+    cpu::matmul_in_out_forward(block + long(b) * gamma * d, head.embedding + long(anchors[b]) * H,
+                               drafter["tok_proj"], 1, H, d);
+    for (int position = 0; position < gamma; ++position) {
+      float* row = block + (long(b) * gamma + position) * d;
+      const float* position_embedding = drafter["block_pos"] + long(position) * d;
+      if (position == 0) {
+        for (int i = 0; i < d; ++i) row[i] += position_embedding[i];
+      } else {
+        const float* mask = drafter["mask_emb"] + long(position - 1) * d;
+        for (int i = 0; i < d; ++i) row[i] = mask[i] + position_embedding[i];
+      }
+    }
+  }
+
+  for (int l = 0; l < c.num_layers; ++l) {
+    cpu::rmsnorm_forward(normed, block, drafter[layer_name(l, "attn_norm")], rows, d, eps);
+    cpu::matmul_in_out_forward(q, normed, drafter[layer_name(l, "q")], rows, d, d);
+    cpu::matmul_in_out_forward(k, normed, drafter[layer_name(l, "k")], rows, d, d);
+    cpu::matmul_in_out_forward(v, normed, drafter[layer_name(l, "v")], rows, d, d);
+    for (int b = 0; b < B; ++b) {  // keys / values = [context ; block]
+      const int length = contexts[b]->length;
+      std::copy_n(contexts[b]->keys[l].data(), long(length) * d, keys);
+      std::copy_n(contexts[b]->values[l].data(), long(length) * d, values);
+      std::copy_n(k + long(b) * gamma * d, long(gamma) * d, keys + long(length) * d);
+      std::copy_n(v + long(b) * gamma * d, long(gamma) * d, values + long(length) * d);
+      cpu::bidirectional_attention_forward(attention + long(b) * gamma * d, q + long(b) * gamma * d, keys, values,
+                                           gamma, length + gamma, c.num_heads, d / c.num_heads, scores);
+    }
+    cpu::matmul_in_out_forward(projected, attention, drafter[layer_name(l, "o")], rows, d, d);
+    cpu::residual_add(block, projected, long(rows) * d);
+    cpu::rmsnorm_forward(normed, block, drafter[layer_name(l, "ff_norm")], rows, d, eps);
+    cpu::matmul_in_out_forward(gate, normed, drafter[layer_name(l, "gate")], rows, d, inner);
+    cpu::matmul_in_out_forward(up, normed, drafter[layer_name(l, "up")], rows, d, inner);
+    cpu::gelu_tanh_gate_forward(gate, gate, up, long(rows) * inner);
+    cpu::matmul_in_out_forward(projected, gate, drafter[layer_name(l, "down")], rows, inner, d);
+    cpu::residual_add(block, projected, long(rows) * d);
+  }
+  // h = rms(Hd, out_norm); U = (h @ out_proj) through the target's own LM head.
+  cpu::rmsnorm_forward(hidden, block, drafter["out_norm"], rows, d, eps);
+  float* head_input = grow(work.head_input, size_t(rows) * H);
+  cpu::matmul_in_out_forward(head_input, hidden, drafter["out_proj"], rows, d, H);
+  cpu::matmul_forward(grow(work.base_logits, size_t(rows) * V), head_input, head.lm_head, nullptr, rows, H, V);
+}
+
+// The sequential head at one position: adds B_k to `logits` [V] and advances
+// the recurrent state. e = w1[previous token], h = this position's hidden.
+void head_step(const Drafter& drafter, const float* e, const float* h, std::vector<float>& state,
+               std::vector<float>& scratch, float* logits) {
+  const DrafterConfig& c = drafter.config;
+  const int r = c.markov_rank, d = c.d_draft, V = drafter.dims.vocab_size;
+  float* added = grow(scratch, size_t(V) + 5 * r + d);  // B [V], then the GRU's z [2r+d] and gates [3r]
+  if (c.seq_head == "markov") {
+    cpu::matmul_in_out_forward(added, e, drafter["markov.w2"], 1, r, V);
+  } else if (c.seq_head == "rnn") {  // s = tanh(s @ wH + e + bH); B = s @ wO
+    float* pre = added + V;
+    cpu::matmul_in_out_forward(pre, state.data(), drafter["rnn.wH"], 1, r, r);
+    for (int i = 0; i < r; ++i) state[i] = std::tanh(pre[i] + e[i] + drafter["rnn.bH"][i]);
+    cpu::matmul_in_out_forward(added, state.data(), drafter["rnn.wO"], 1, r, V);
+  } else {  // gru: [g, c, o] = [s; e; h] @ wJ + bJ; s = σ(g) s + (1 - σ(g)) tanh(c); B = tanh(o) @ w2
+    float* z = added + V;          // [2r + d]
+    float* gates = z + 2 * r + d;  // [3r]
+    std::copy_n(state.data(), r, z);
+    std::copy_n(e, r, z + r);
+    std::copy_n(h, d, z + 2 * r);
+    cpu::matmul_in_out_forward(gates, z, drafter["gru.wJ"], 1, 2 * r + d, 3 * r);
+    const float* bias = drafter["gru.bJ"];
+    for (int i = 0; i < r; ++i) {
+      const float keep = sigmoid(gates[i] + bias[i]);
+      state[i] = keep * state[i] + (1.0f - keep) * std::tanh(gates[r + i] + bias[r + i]);
+      z[i] = std::tanh(gates[2 * r + i] + bias[2 * r + i]);  // tanh(o), reusing z's head
+    }
+    cpu::matmul_in_out_forward(added, z, drafter["markov.w2"], 1, r, V);
+  }
+  cpu::residual_add(logits, added, V);
+}
+
+}  // namespace
+
+TargetHead target_head_of(const Transformer& model) { return {model.embed_tokens.data, model.lm_head.data}; }
+
+void DraftContext::truncate(int new_length) {
+  DSPARK_CHECK(new_length >= 0 && new_length <= length, "cannot truncate a draft context of ", length, " rows to ",
+               new_length);
+  for (auto* layers : {&keys, &values})
+    for (auto& layer : *layers) layer.resize(length ? layer.size() / length * new_length : 0);  // rows of d
+  length = new_length;
+}
+
+void extend_draft_context(const Drafter& drafter, DraftContext& context, const float* tapped_rows, int count) {
+  if (count == 0) return;
+  const DrafterConfig& c = drafter.config;
+  const int d = c.d_draft, width = static_cast<int>(c.tap_layers.size()) * drafter.dims.hidden_size;
+  std::vector<float> projected(size_t(count) * d), normed(size_t(count) * d);
+  // Hc = rms(hctx @ W_c, ctx_norm)
+  cpu::matmul_in_out_forward(projected.data(), tapped_rows, drafter["W_c"], count, width, d);
+  cpu::rmsnorm_forward(projected.data(), projected.data(), drafter["ctx_norm"], count, d, drafter.dims.eps);
+  context.keys.resize(c.num_layers);
+  context.values.resize(c.num_layers);
+  for (int l = 0; l < c.num_layers; ++l) {  // per layer: rms(Hc, attn_norm) @ k | v
+    cpu::rmsnorm_forward(normed.data(), projected.data(), drafter[layer_name(l, "attn_norm")], count, d,
+                         drafter.dims.eps);
+    for (auto [cache, weight] : {std::pair{&context.keys[l], "k"}, std::pair{&context.values[l], "v"}}) {
+      cache->resize(size_t(context.length + count) * d);
+      cpu::matmul_in_out_forward(cache->data() + size_t(context.length) * d, normed.data(),
+                                 drafter[layer_name(l, weight)], count, d, d);
+    }
+  }
+  context.length += count;
+}
+
+float draft_confidence(const Drafter& drafter, int position, const float* hidden, const float* embedding_row) {
+  const int d = drafter.config.d_draft, r = drafter.config.markov_rank;
+  const float* weight = drafter["conf.w"];
+  float logit = drafter["conf.b"][0];
+  for (int i = 0; i < d; ++i) logit += hidden[i] * weight[i];
+  for (int i = 0; i < r; ++i) logit += embedding_row[i] * weight[d + i];
+  const auto& sts = drafter.config.sts;
+  if (sts && !sts->temperatures.empty()) logit /= sts->temperatures[position];
+  return sigmoid(logit);
+}
+
+void draft(const Drafter& drafter, const TargetHead& head, std::span<const DraftRequest> requests,
+           const DraftOptions& options, DraftWorkspace& work, std::vector<DraftResult>& results) {
+  const DrafterConfig& c = drafter.config;
+  const int gamma = c.gamma, d = c.d_draft, r = c.markov_rank, V = drafter.dims.vocab_size;
+  const int limit = options.max_tokens > 0 ? std::min(options.max_tokens, gamma) : gamma;
+  const std::vector<float>& thresholds =
+      !options.thresholds.empty() ? options.thresholds
+      : c.sts                     ? c.sts->thresholds
+                                  : options.thresholds;
+  DSPARK_CHECK(thresholds.empty() || thresholds.size() >= size_t(limit), "draft thresholds: ", thresholds.size(),
+               " for ", limit, " positions");
+  std::vector<const DraftContext*> contexts;
+  std::vector<int32_t> anchors;
+  for (const DraftRequest& request : requests) {
+    contexts.push_back(request.context);
+    anchors.push_back(request.anchor);
+  }
+  backbone_forward(drafter, head, contexts, anchors, work);
+
+  results.assign(requests.size(), DraftResult{});
+  std::vector<float> state(r), scratch, logits(V);
+  for (size_t b = 0; b < requests.size(); ++b) {
+    DraftResult& result = results[b];
+    std::fill(state.begin(), state.end(), 0.0f);
+    int32_t previous = requests[b].anchor;
+    for (int position = 0; position < limit; ++position) {
+      const long row = long(b) * gamma + position;
+      const float* hidden = work.hidden.data() + row * d;
+      const float* e = drafter["markov.w1"] + long(previous) * r;
+      const float confidence = draft_confidence(drafter, position, hidden, e);
+      const bool below = (!thresholds.empty() && confidence < thresholds[position]) ||
+                         confidence < options.min_confidence;
+      if (position >= 1 && below) break;  // pruned here; position 0 is always kept
+      std::copy_n(work.base_logits.data() + row * V, V, logits.data());
+      head_step(drafter, e, hidden, state, scratch, logits.data());
+      int32_t token;
+      if (options.sampling.greedy()) {
+        token = cpu::argmax(logits.data(), V);
+      } else {
+        float* probs = grow(work.probs, size_t(V));
+        cpu::processed_distribution(probs, logits.data(), V, options.sampling, work.order);
+        token = cpu::sample_from_distribution(probs, V, requests[b].rng->uniform());
+      }
+      result.tokens.push_back(token);
+      result.confidence.push_back(confidence);
+      if (options.collect_logits) result.logits.insert(result.logits.end(), logits.begin(), logits.end());
+      previous = token;
+    }
+  }
+}
+
+DraftForward draft_teacher_forced(const Drafter& drafter, const TargetHead& head, const DraftContext& context,
+                                  int32_t anchor, std::span<const int32_t> tokens) {
+  const DrafterConfig& c = drafter.config;
+  const int gamma = c.gamma, d = c.d_draft, r = c.markov_rank, V = drafter.dims.vocab_size;
+  DSPARK_CHECK(tokens.size() == size_t(gamma), "teacher forcing needs ", gamma, " tokens, got ", tokens.size());
+  DraftWorkspace work;
+  const DraftContext* contexts[] = {&context};
+  const int32_t anchors[] = {anchor};
+  backbone_forward(drafter, head, contexts, anchors, work);
+  DraftForward forward;
+  forward.hidden.assign(work.hidden.begin(), work.hidden.begin() + long(gamma) * d);
+  forward.base_logits.assign(work.base_logits.begin(), work.base_logits.begin() + long(gamma) * V);
+  forward.logits = forward.base_logits;
+  std::vector<float> state(r), scratch;
+  for (int position = 0; position < gamma; ++position) {
+    const int32_t previous = position == 0 ? anchor : tokens[position - 1];
+    const float* e = drafter["markov.w1"] + long(previous) * r;
+    const float* hidden = forward.hidden.data() + long(position) * d;
+    forward.confidence.push_back(draft_confidence(drafter, position, hidden, e));
+    head_step(drafter, e, hidden, state, scratch, forward.logits.data() + long(position) * V);
+  }
+  return forward;
+}
+
+}  // namespace dspark

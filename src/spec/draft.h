@@ -1,0 +1,86 @@
+// Drafting with a DSpark drafter on the CPU (DESIGN.md §2, the seed's
+// forwardRows): the parallel backbone runs once for every row of a batch,
+// then the cheap sequential head walks the block position by position,
+// picking each token (argmax, or a sample from the processed distribution
+// with the row's own seeded stream) and feeding it to the next position.
+// Pruning stops a row at the first position k >= 1 whose confidence falls
+// below its threshold; position 0 is always kept.
+#pragma once
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "core/random.h"
+#include "kernels/cpu/sampling.h"
+#include "model/transformer.h"
+#include "spec/drafter.h"
+
+namespace dspark {
+
+// The target's pieces the drafter reads in place (never copied into it).
+struct TargetHead {
+  const float* embedding = nullptr;  // [V, H] the raw input embedding (no scaling)
+  const float* lm_head = nullptr;    // [V, H] the output head; the embedding itself when tied
+};
+
+TargetHead target_head_of(const Transformer& model);
+
+// One request's retained context: per drafter layer, the keys and values of
+// rms(Hc, attn_norm) for every context row seen so far. Each round projects
+// only the new rows (the norm is per row, so this equals recomputing all).
+struct DraftContext {
+  int length = 0;
+  std::vector<std::vector<float>> keys, values;  // [layer][length * d]
+  void truncate(int new_length);
+};
+
+// Appends `count` context rows, each the m tapped target rows of one token
+// concatenated on features: tapped_rows [count, m * H].
+void extend_draft_context(const Drafter& drafter, DraftContext& context, const float* tapped_rows, int count);
+
+struct DraftOptions {
+  cpu::SamplingParams sampling;   // greedy at temperature 0
+  std::vector<float> thresholds;  // [γ] per-position confidence thresholds; empty: none
+  float min_confidence = 0.0f;    // a uniform threshold; 0: none
+  int max_tokens = 0;             // draft at most this many (<= γ); 0: γ
+  bool collect_logits = false;    // return each drafted position's logits
+};
+
+struct DraftRequest {
+  const DraftContext* context;
+  int32_t anchor;  // the last token the target has accepted (its row is not in the context yet)
+  Rng* rng;        // this row's stream, drawn from only when sampling
+};
+
+struct DraftResult {
+  std::vector<int32_t> tokens;    // n >= 1 drafted tokens
+  std::vector<float> confidence;  // [n] c_k
+  std::vector<float> logits;      // [n, V] L_k, when collected
+};
+
+// Activations reused across calls.
+struct DraftWorkspace {
+  std::vector<float> block, normed, q, k, v, attention, projected, gate, up, keys, values, scores, hidden,
+      head_input, base_logits, probs;
+  std::vector<int32_t> order;
+};
+
+void draft(const Drafter& drafter, const TargetHead& head, std::span<const DraftRequest> requests,
+           const DraftOptions& options, DraftWorkspace& workspace, std::vector<DraftResult>& results);
+
+// The whole block of one row under teacher forcing: position k's head sees
+// tokens[k-1] (the anchor at k = 0). For tests and training.
+struct DraftForward {
+  std::vector<float> hidden;       // [γ, d] h = rms(Hd, out_norm)
+  std::vector<float> base_logits;  // [γ, V] U
+  std::vector<float> logits;       // [γ, V] L = U + B
+  std::vector<float> confidence;   // [γ]
+};
+
+DraftForward draft_teacher_forced(const Drafter& drafter, const TargetHead& head, const DraftContext& context,
+                                  int32_t anchor, std::span<const int32_t> tokens);
+
+// Confidences are calibrated by config.sts temperatures when present.
+float draft_confidence(const Drafter& drafter, int position, const float* hidden, const float* embedding_row);
+
+}  // namespace dspark
