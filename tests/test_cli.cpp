@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "cli_runner.h"
+#include "core/file.h"
 #include "core/json.h"
 #include "golden.h"
 #include "model/tokenizer.h"
@@ -156,6 +157,74 @@ TEST(CliDraftInit, BadTapLayersAreRefused) {
   expect_one_error_line(run_dspark({"draft-init", "-m", testing::golden_model("qwen3").string(), "-o",
                                     directory.path.string(), "--d-draft", "30", "--heads", "4"}),
                         "not a multiple");
+}
+
+}  // namespace
+}  // namespace dspark
+
+namespace dspark {
+namespace {
+
+TEST(CliSpeculative, GreedyTextIsTheSameWithAndWithoutADraft) {
+  TemporaryDirectory directory;
+  const std::string target = testing::golden_model("qwen3").string();
+  ASSERT_EQ(run_dspark({"draft-init", "-m", target, "-o", (directory.path / "d").string(), "--d-draft", "32",
+                        "--layers", "1", "--heads", "4", "--markov-rank", "8", "--gamma", "4"})
+                .exit_code,
+            0);
+  const std::string prompt = "import os\nimport sys\nimport os\nimport";
+  auto run = [&](std::vector<std::string> extra) {
+    std::vector<std::string> arguments = {"generate", "-m", target, "-p", prompt, "-n", "30", "--ignore-eos", "--json"};
+    arguments.insert(arguments.end(), extra.begin(), extra.end());
+    const auto result = run_dspark(arguments);
+    EXPECT_EQ(result.exit_code, 0) << result.err;
+    return Json::parse(result.out);
+  };
+  const Json plain = run({});
+  for (const std::vector<std::string>& draft :
+       {std::vector<std::string>{"-d", "ngram"}, {"-d", (directory.path / "d").string(), "--min-conf", "0.4"}}) {
+    const Json spec = run({draft[0], draft[1], "--trace"});
+    EXPECT_EQ(spec["text"], plain["text"]);
+    EXPECT_EQ(spec["tokens"], plain["tokens"]);
+    const Json& stats = spec["stats"];
+    for (const char* key : {"rounds", "drafted", "accepted", "acceptance_by_position", "tau"})
+      EXPECT_TRUE(stats.contains(key)) << key;
+    ASSERT_EQ(spec["trace"].size(), stats["rounds"].get<size_t>());
+    size_t emitted = 0;
+    for (const Json& round : spec["trace"]) {
+      EXPECT_LE(round["accepted"].get<size_t>(), round["draft"].size());
+      emitted += round["emitted"].size();
+    }
+    EXPECT_EQ(emitted, spec["tokens"].size());
+  }
+}
+
+TEST(CliSpeculative, BenchSpecRunsBothAndReportsAMatch) {
+  TemporaryDirectory directory;
+  const auto prompts = directory.path / "prompts.jsonl";
+  write_text_file_atomic(prompts, "{\"prompt\": \"def f(x):\\n    return x\\n\\ndef f(x):\"}\nnot json\n"
+                                  "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}\n");
+  const auto result = run_dspark({"bench", "spec", "-m", testing::golden_model("qwen3").string(), "-d", "ngram",
+                                  "--prompts", prompts.string(), "-n", "16", "--batch", "2", "--json"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  EXPECT_NE(result.err.find("prompts.jsonl:2 skipped"), std::string::npos) << result.err;
+  const Json out = Json::parse(result.out);
+  EXPECT_EQ(out["prompts"], 2);
+  EXPECT_TRUE(out["all_outputs_match"].get<bool>());
+  EXPECT_GE(out["tau"].get<double>(), 1.0);
+}
+
+TEST(CliSpeculative, ADrafterForAnotherTargetIsRefused) {
+  TemporaryDirectory directory;
+  ASSERT_EQ(run_dspark({"draft-init", "-m", testing::golden_model("llama").string(), "-o", directory.path.string(),
+                        "--d-draft", "32", "--heads", "4", "--layers", "1", "--markov-rank", "8"})
+                .exit_code,
+            0);
+  expect_one_error_line(run_dspark({"generate", "-m", testing::golden_model("qwen3").string(), "-d",
+                                    directory.path.string(), "-n", "4"}),
+                        "the drafter was made for a target with hidden size 96");
+  expect_one_error_line(run_dspark({"generate", "-m", testing::golden_model("qwen3").string(), "-d", "/no/drafter"}),
+                        "not a drafter directory");
 }
 
 }  // namespace

@@ -99,7 +99,7 @@ TEST(DrafterInit, MatchesTheIndependentImplementation) {
 
 TEST(DrafterInit, HeadsShareEveryCommonTensorBitForBit) {
   const Drafter markov = init_drafter(small_config("markov"), golden_dims(), "qwen3", 42);
-  for (const std::string& head : {"rnn", "gru"}) {
+  for (const std::string head : {"rnn", "gru"}) {
     const Drafter other = init_drafter(small_config(head), golden_dims(), "qwen3", 42);
     for (const std::string& name : markov.names)
       EXPECT_EQ(std::memcmp(markov[name], other[name], markov.parameter(name).numel() * 4), 0) << head << " " << name;

@@ -15,7 +15,12 @@
 #include "cli/commands.h"
 #include "core/json.h"
 #include "core/random.h"
+#include "model/generate.h"
+#include "model/prompts.h"
 #include "model/target.h"
+#include "model/tokenizer.h"
+#include "spec/draft_sources.h"
+#include "spec/speculative.h"
 #ifdef DSPARK_CUDA
 #include "kernels/cuda/device.h"
 #endif
@@ -61,6 +66,32 @@ double cpu_copy_bandwidth() {
   return 2.0 * bytes / median(seconds) / 1e9;
 }
 
+// Median seconds of a forward that feeds k tokens to each of `sequences`
+// (whose next token is `next[b]`), rolled back after every run: the cost of
+// verifying k tokens at once.
+double verify_seconds(Target& target, const std::vector<int>& sequences, const std::vector<int32_t>& next, int k,
+                      int runs = 7) {
+  std::vector<std::vector<int32_t>> blocks(sequences.size());
+  std::vector<TargetInput> inputs(sequences.size());
+  TargetRequest greedy;
+  TargetResult result;
+  std::vector<double> samples;
+  for (int run = 0; run < 3 + runs; ++run) {  // 3 warm-up runs also capture the graphs
+    for (size_t b = 0; b < sequences.size(); ++b) {
+      blocks[b].assign(k, next[b]);
+      inputs[b] = {sequences[b], blocks[b], true};
+    }
+    std::vector<int> lengths;
+    for (int sequence : sequences) lengths.push_back(target.sequence_length(sequence));
+    const auto start = std::chrono::steady_clock::now();
+    target.forward(inputs, greedy, result);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    for (size_t b = 0; b < sequences.size(); ++b) target.truncate_sequence(sequences[b], lengths[b]);
+    if (run >= 3) samples.push_back(seconds);
+  }
+  return median(samples);
+}
+
 void run_bench_decode(const BenchDecodeFlags& flags) {
   const std::unique_ptr<Target> target = load_target(flags.model, flags.device);
   const ModelConfig& c = target->config();
@@ -102,20 +133,8 @@ void run_bench_decode(const BenchDecodeFlags& flags) {
   // Verify cost: k tokens per sequence in one forward, rolled back after each.
   Json verify = Json::array();
   double one_token = 0.0;
-  std::vector<std::vector<int32_t>> blocks(flags.batch);
   for (int k = 1; k <= flags.max_verify; k = k < 4 ? k + 1 : k * 2) {
-    std::vector<double> samples;
-    for (int run = 0; run < 3 + 7; ++run) {
-      for (int b = 0; b < flags.batch; ++b) {
-        blocks[b].assign(k, next[b]);
-        inputs[b] = {sequences[b], blocks[b], true};
-      }
-      const int length = target->sequence_length(sequences[0]);
-      const double seconds = timed(inputs);
-      for (int sequence : sequences) target->truncate_sequence(sequence, length);
-      if (run >= 3) samples.push_back(seconds);
-    }
-    const double milliseconds = median(samples) * 1e3;
+    const double milliseconds = verify_seconds(*target, sequences, next, k) * 1e3;
     if (k == 1) one_token = milliseconds;
     verify.push_back({{"k", k}, {"ms", milliseconds}, {"ratio", milliseconds / one_token}});
   }
@@ -156,6 +175,113 @@ void run_bench_decode(const BenchDecodeFlags& flags) {
   std::printf("\n");
 }
 
+struct BenchSpecFlags {
+  std::string model = default_model_directory();
+  std::string draft;
+  std::string prompts;
+  std::string device = "auto";
+  int batch = 1;
+  int gamma = 0;
+  int max_new_tokens = 128;
+  float temperature = 0.0f;
+  uint64_t seed = 0;
+  bool chat = false;
+  bool json = false;
+};
+
+// Plain and speculative decoding of the same prompts in one run: tau,
+// acceptance by position, tokens/s of both, and how close the speed-up comes
+// to the ideal tau * t(1) / t(gamma + 1) given this run's verify cost.
+void run_bench_spec(const BenchSpecFlags& flags) {
+  const std::unique_ptr<Target> target = load_target(flags.model, flags.device);
+  const Tokenizer tokenizer = Tokenizer::load(flags.model);
+  const ModelConfig& config = target->config();
+  std::vector<std::vector<int32_t>> prompts;
+  for (const PromptEntry& entry : read_prompt_file(flags.prompts))
+    prompts.push_back(tokenize_prompt(tokenizer, entry, flags.chat));
+  DSPARK_CHECK(!prompts.empty(), flags.prompts, ": no usable prompts");
+  LoadedDraftSource source = load_draft_source(flags.draft, flags.model, *target, 0.0f);
+  const int gamma = flags.gamma > 0 ? flags.gamma : source.default_gamma;
+  const cpu::SamplingParams sampling{flags.temperature, 0, 1.0f};
+
+  double plain_seconds = 0.0, spec_seconds = 0.0;
+  long plain_tokens = 0, spec_tokens = 0, matched = 0;
+  SpeculativeStats stats;
+  for (size_t begin = 0; begin < prompts.size(); begin += flags.batch) {
+    const auto chunk = std::span(prompts).subspan(begin, std::min<size_t>(flags.batch, prompts.size() - begin));
+    GenerateOptions plain_options;
+    plain_options.max_new_tokens = flags.max_new_tokens;
+    plain_options.sampling = sampling;
+    plain_options.seed = flags.seed;
+    const auto plain = generate_batch(*target, chunk, plain_options);
+    plain_seconds += plain[0].prefill_seconds + plain[0].decode_seconds;
+    SpeculativeOptions spec_options;
+    spec_options.max_new_tokens = flags.max_new_tokens;
+    spec_options.sampling = sampling;
+    spec_options.seed = flags.seed;
+    spec_options.gamma = gamma;
+    SpeculativeTiming timing;
+    const auto spec = speculative_generate(*target, *source.source, chunk, spec_options, &timing);
+    spec_seconds += timing.prefill_seconds + timing.decode_seconds;
+    for (size_t i = 0; i < chunk.size(); ++i) {
+      plain_tokens += long(plain[i].tokens.size());
+      spec_tokens += long(spec[i].tokens.size());
+      matched += plain[i].tokens == spec[i].tokens;
+      stats.add(spec[i].stats);
+    }
+  }
+
+  // The verify cost at this batch size and a typical context.
+  size_t total_length = 0;
+  for (const auto& prompt : prompts) total_length += prompt.size();
+  const int context = std::min<int>(config.max_positions - gamma - 2, int(total_length / prompts.size()));
+  std::vector<int> sequences;
+  std::vector<int32_t> next;
+  for (int b = 0; b < flags.batch; ++b) {
+    sequences.push_back(target->create_sequence(context + gamma + 1));
+    std::vector<int32_t> filler(std::max(1, context), prompts[0][0]);
+    TargetInput input{sequences.back(), filler, false};
+    TargetResult result;
+    target->forward({&input, 1}, TargetRequest{}, result);
+    next.push_back(result.tokens[0]);
+  }
+  const double t1 = verify_seconds(*target, sequences, next, 1);
+  const double t_block = verify_seconds(*target, sequences, next, gamma + 1);
+  for (int sequence : sequences) target->release_sequence(sequence);
+
+  const double plain_rate = plain_tokens / plain_seconds, spec_rate = spec_tokens / spec_seconds;
+  const double speedup = spec_rate / plain_rate, ideal = stats.tau() * t1 / t_block;
+  Json out = {{"device", target->device_description()},
+              {"draft", flags.draft},
+              {"prompts", prompts.size()},
+              {"batch", flags.batch},
+              {"gamma", gamma},
+              {"temperature", flags.temperature},
+              {"tau", stats.tau()},
+              {"acceptance_by_position", stats.acceptance_by_position()},
+              {"plain_tokens_per_s", plain_rate},
+              {"spec_tokens_per_s", spec_rate},
+              {"speedup", speedup},
+              {"verify_cost_ratio", t_block / t1},
+              {"ideal_speedup", ideal},
+              {"efficiency", speedup / ideal},
+              {"outputs_matched", matched},
+              {"all_outputs_match", matched == long(prompts.size())}};
+  if (flags.json) {
+    std::cout << out.dump() << std::endl;
+    return;
+  }
+  std::printf("%s, %zu prompts, batch %d, gamma %d, temperature %.2f, draft %s\n",
+              out["device"].get<std::string>().c_str(), prompts.size(), flags.batch, gamma, flags.temperature,
+              flags.draft.c_str());
+  std::printf("tau %.3f; acceptance by position:", stats.tau());
+  for (double rate : stats.acceptance_by_position()) std::printf(" %.2f", rate);
+  std::printf("\nplain %.1f tokens/s, speculative %.1f tokens/s: %.2fx (ideal %.2fx = tau x t(1)/t(%d) with "
+              "t(%d)/t(1) = %.2f; efficiency %.0f%%)\n",
+              plain_rate, spec_rate, speedup, ideal, gamma + 1, gamma + 1, t_block / t1, 100.0 * speedup / ideal);
+  std::printf("outputs identical to plain decoding: %ld of %zu\n", matched, prompts.size());
+}
+
 }  // namespace
 
 void add_bench_command(CLI::App& app) {
@@ -174,6 +300,25 @@ void add_bench_command(CLI::App& app) {
   decode->add_flag("--json", flags->json, "print one JSON object");
   add_device_option(*decode, flags->device);
   decode->callback([flags] { run_bench_decode(*flags); });
+
+  auto spec_flags = std::make_shared<BenchSpecFlags>();
+  CLI::App* spec = bench->add_subcommand("spec", "Plain vs speculative decoding of the same prompts");
+  spec->add_option("-m,--model", spec_flags->model, "the target's HF model directory")->capture_default_str();
+  spec->add_option("-d,--draft", spec_flags->draft, "a DSpark drafter directory, or ngram")->required();
+  spec->add_option("--prompts", spec_flags->prompts, "JSONL file of {\"prompt\"} or {\"messages\"}")->required();
+  spec->add_option("--batch", spec_flags->batch, "requests decoded together")->capture_default_str()
+      ->check(CLI::Range(1, 256));
+  spec->add_option("--gamma", spec_flags->gamma, "most tokens drafted per round (default: the drafter's)")
+      ->check(CLI::Range(1, 64));
+  spec->add_option("-n,--max-tokens", spec_flags->max_new_tokens, "tokens per prompt")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  spec->add_option("--temperature", spec_flags->temperature, "0 = greedy")->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  spec->add_option("--seed", spec_flags->seed, "sampling seed")->capture_default_str();
+  spec->add_flag("--chat", spec_flags->chat, "wrap text prompts in the chat template");
+  spec->add_flag("--json", spec_flags->json, "print one JSON object");
+  add_device_option(*spec, spec_flags->device);
+  spec->callback([spec_flags] { run_bench_spec(*spec_flags); });
 }
 
 }  // namespace dspark::cli

@@ -20,50 +20,85 @@ bool is_eos(const ModelConfig& config, int32_t token) {
          config.eos_token_ids.end();
 }
 
-GenerateResult generate(Target& target, std::span<const int32_t> prompt, const GenerateOptions& options,
-                        const std::function<void(int32_t)>& on_token) {
+std::vector<GenerateResult> generate_batch(Target& target, std::span<const std::vector<int32_t>> prompts,
+                                           const GenerateOptions& options,
+                                           const std::function<void(size_t, int32_t)>& on_token) {
   using Clock = std::chrono::steady_clock;
   const ModelConfig& config = target.config();
-  check_prompt_fits(config, prompt.size());
-  const int capacity = static_cast<int>(
-      std::min<long>(config.max_positions, static_cast<long>(prompt.size()) + options.max_new_tokens));
-  const int sequence = target.create_sequence(capacity);
-  Rng rng(options.seed);
-  double uniform = 0.0;
+  std::vector<int> sequences;
+  std::vector<Rng> streams;
+  std::vector<GenerateResult> results(prompts.size());
+  std::vector<TargetInput> inputs;
+  for (size_t r = 0; r < prompts.size(); ++r) {
+    check_prompt_fits(config, prompts[r].size());
+    const int capacity = static_cast<int>(
+        std::min<long>(config.max_positions, static_cast<long>(prompts[r].size()) + options.max_new_tokens));
+    sequences.push_back(target.create_sequence(capacity));
+    streams.emplace_back(r == 0 ? options.seed : options.seed + 0x9e3779b97f4a7c15ull * r);
+    results[r].stop_reason = "length";
+    inputs.push_back({sequences.back(), prompts[r], false});
+  }
+  std::vector<double> uniforms(prompts.size());
+  std::vector<size_t> owners(prompts.size());
+  for (size_t r = 0; r < prompts.size(); ++r) owners[r] = r;
   TargetRequest request;
   request.sampling = options.sampling;
-  if (!options.sampling.greedy()) request.uniforms = {&uniform, 1};
   TargetResult step;
-  GenerateResult result;
-  result.stop_reason = "length";
 
   const auto start = Clock::now();
-  uniform = rng.uniform();
-  TargetInput input{sequence, prompt, false};
-  target.forward({&input, 1}, request, step);
+  auto forward = [&] {
+    for (size_t i = 0; i < inputs.size(); ++i) uniforms[i] = streams[owners[i]].uniform();
+    if (!options.sampling.greedy()) request.uniforms = std::span(uniforms).first(inputs.size());
+    target.forward(inputs, request, step);
+  };
+  forward();
   const auto prefill_done = Clock::now();
-  result.prefill_seconds = std::chrono::duration<double>(prefill_done - start).count();
+  const double prefill_seconds = std::chrono::duration<double>(prefill_done - start).count();
 
-  while (true) {
-    const int32_t token = step.tokens[0];
-    result.tokens.push_back(token);
-    if (on_token) on_token(token);
-    if (is_eos(config, token) && !options.ignore_eos) {
-      result.stop_reason = "eos";
-      break;
+  while (!inputs.empty()) {
+    std::vector<TargetInput> next_inputs;
+    std::vector<size_t> next_owners;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const size_t r = owners[i];
+      GenerateResult& result = results[r];
+      const int32_t token = step.tokens[i];
+      result.tokens.push_back(token);
+      if (on_token) on_token(r, token);
+      bool done = false;
+      if (is_eos(config, token) && !options.ignore_eos) {
+        result.stop_reason = "eos";
+        done = true;
+      } else if (static_cast<int>(result.tokens.size()) == options.max_new_tokens) {
+        done = true;
+      } else if (target.sequence_length(sequences[r]) == config.max_positions) {
+        result.stop_reason = "context";
+        done = true;
+      }
+      if (done) {
+        target.release_sequence(sequences[r]);
+        continue;
+      }
+      next_inputs.push_back({sequences[r], {&result.tokens.back(), 1}, false});
+      next_owners.push_back(r);
     }
-    if (static_cast<int>(result.tokens.size()) == options.max_new_tokens) break;
-    if (target.sequence_length(sequence) == config.max_positions) {
-      result.stop_reason = "context";
-      break;
-    }
-    uniform = rng.uniform();
-    TargetInput next{sequence, {&result.tokens.back(), 1}, false};
-    target.forward({&next, 1}, request, step);
+    inputs = std::move(next_inputs);
+    owners = std::move(next_owners);
+    if (!inputs.empty()) forward();
   }
-  result.decode_seconds = std::chrono::duration<double>(Clock::now() - prefill_done).count();
-  target.release_sequence(sequence);
-  return result;
+  const double decode_seconds = std::chrono::duration<double>(Clock::now() - prefill_done).count();
+  for (GenerateResult& result : results) {
+    result.prefill_seconds = prefill_seconds;
+    result.decode_seconds = decode_seconds;
+  }
+  return results;
+}
+
+GenerateResult generate(Target& target, std::span<const int32_t> prompt, const GenerateOptions& options,
+                        const std::function<void(int32_t)>& on_token) {
+  const std::vector<std::vector<int32_t>> prompts = {{prompt.begin(), prompt.end()}};
+  return generate_batch(target, prompts, options,
+                        on_token ? [&](size_t, int32_t token) { on_token(token); }
+                                 : std::function<void(size_t, int32_t)>{})[0];
 }
 
 }  // namespace dspark

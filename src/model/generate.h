@@ -16,7 +16,7 @@ namespace dspark {
 struct GenerateOptions {
   int max_new_tokens = 128;
   cpu::SamplingParams sampling;  // temperature 0: greedy
-  uint64_t seed = 0;             // one uniform per sampled token is drawn from Rng(seed)
+  uint64_t seed = 0;             // one uniform per generated token is drawn from Rng(seed)
   bool ignore_eos = false;
 };
 
@@ -31,6 +31,13 @@ struct GenerateResult {
 // the model's context. `on_token` sees each id as it is generated.
 GenerateResult generate(Target& target, std::span<const int32_t> prompt, const GenerateOptions& options,
                         const std::function<void(int32_t)>& on_token = {});
+
+// A batch of prompts decoded together, one forward per step for all of them.
+// Request r samples with its own stream (Rng(seed) for the first request).
+// `on_token(r, id)` sees each id as it is generated.
+std::vector<GenerateResult> generate_batch(Target& target, std::span<const std::vector<int32_t>> prompts,
+                                           const GenerateOptions& options,
+                                           const std::function<void(size_t, int32_t)>& on_token = {});
 
 // The error a prompt that leaves no room in the context gets; shared by every
 // entry point that accepts prompts.

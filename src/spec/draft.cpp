@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/safetensors.h"
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/matmul.h"
@@ -129,6 +130,15 @@ void head_step(const Drafter& drafter, const float* e, const float* h, std::vect
 }  // namespace
 
 TargetHead target_head_of(const Transformer& model) { return {model.embed_tokens.data, model.lm_head.data}; }
+
+TargetHeadWeights load_target_head(const std::filesystem::path& target_directory, const ModelConfig& config) {
+  const SafetensorsCheckpoint checkpoint(target_directory);
+  const Shape shape = {config.vocab_size, config.hidden_size};
+  TargetHeadWeights weights;
+  weights.embedding = checkpoint.load("model.embed_tokens.weight", shape);
+  weights.lm_head = config.tie_word_embeddings ? weights.embedding : checkpoint.load("lm_head.weight", shape);
+  return weights;
+}
 
 void DraftContext::truncate(int new_length) {
   DSPARK_CHECK(new_length >= 0 && new_length <= length, "cannot truncate a draft context of ", length, " rows to ",

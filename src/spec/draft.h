@@ -7,6 +7,7 @@
 // below its threshold; position 0 is always kept.
 #pragma once
 #include <cstdint>
+#include <filesystem>
 #include <span>
 #include <vector>
 
@@ -24,6 +25,16 @@ struct TargetHead {
 };
 
 TargetHead target_head_of(const Transformer& model);
+
+// The embedding and LM head read from a target checkpoint on their own (for a
+// target whose weights live elsewhere, e.g. on the GPU).
+struct TargetHeadWeights {
+  Tensor embedding;  // [V, H]
+  Tensor lm_head;    // [V, H]
+  TargetHead view() const { return {embedding.data, lm_head.data}; }
+};
+
+TargetHeadWeights load_target_head(const std::filesystem::path& target_directory, const ModelConfig& config);
 
 // One request's retained context: per drafter layer, the keys and values of
 // rms(Hc, attn_norm) for every context row seen so far. Each round projects

@@ -1,0 +1,25 @@
+#include "spec/draft_sources.h"
+
+#include "core/error.h"
+#include "spec/dspark_source.h"
+#include "spec/ngram_source.h"
+
+namespace dspark {
+
+LoadedDraftSource load_draft_source(const std::string& name, const std::filesystem::path& target_directory,
+                                    const Target& target, float min_confidence) {
+  LoadedDraftSource loaded;
+  if (name == "ngram") {
+    loaded.source = std::make_unique<NgramSource>();
+    return loaded;
+  }
+  DSPARK_CHECK(std::filesystem::is_directory(name), "-d ", name, ": not a drafter directory (or \"ngram\")");
+  loaded.drafter = std::make_unique<Drafter>(load_drafter(name));
+  check_drafter_matches_target(*loaded.drafter, target.config(), target_id_of(target_directory));
+  loaded.head = std::make_unique<TargetHeadWeights>(load_target_head(target_directory, target.config()));
+  loaded.source = std::make_unique<DSparkSource>(*loaded.drafter, loaded.head->view(), min_confidence);
+  loaded.default_gamma = loaded.drafter->config.gamma;
+  return loaded;
+}
+
+}  // namespace dspark

@@ -1,0 +1,24 @@
+// Choosing a draft source by name, as the CLI does: "ngram", or the
+// directory of a DSpark drafter for the given target.
+#pragma once
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include "model/target.h"
+#include "spec/draft.h"
+#include "spec/draft_source.h"
+
+namespace dspark {
+
+struct LoadedDraftSource {
+  std::unique_ptr<Drafter> drafter;            // when a DSpark drafter
+  std::unique_ptr<TargetHeadWeights> head;     // the target's embedding / LM head it reads
+  std::unique_ptr<DraftSource> source;
+  int default_gamma = 8;
+};
+
+LoadedDraftSource load_draft_source(const std::string& name, const std::filesystem::path& target_directory,
+                                    const Target& target, float min_confidence);
+
+}  // namespace dspark

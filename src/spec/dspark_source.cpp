@@ -1,0 +1,52 @@
+#include "spec/dspark_source.h"
+
+#include <algorithm>
+
+namespace dspark {
+
+void DSparkSource::begin(int row, std::span<const int32_t>, uint64_t seed) {
+  rows_.insert_or_assign(row, RowState{DraftContext{}, Rng(seed)});
+}
+
+void DSparkSource::accept(int row, std::span<const int32_t> tokens, const float* tapped_rows) {
+  extend_draft_context(drafter_, rows_.at(row).context, tapped_rows, static_cast<int>(tokens.size()));
+}
+
+void DSparkSource::propose(std::span<const int> rows, std::span<const int32_t> pending, std::span<const int> max_tokens,
+                           const cpu::SamplingParams& sampling, std::vector<Proposal>& proposals) {
+  proposals.assign(rows.size(), Proposal{});
+  // Rows that may draft at all go in one batch; the backbone drafts gamma for
+  // each, and a row's own limit cuts its head short.
+  std::vector<DraftRequest> requests;
+  std::vector<size_t> slots;
+  int longest = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (max_tokens[i] <= 0) continue;
+    RowState& state = rows_.at(rows[i]);
+    requests.push_back({&state.context, pending[i], &state.rng});
+    slots.push_back(i);
+    longest = std::max(longest, max_tokens[i]);
+  }
+  if (requests.empty()) return;
+  DraftOptions options;
+  options.sampling = sampling;
+  options.min_confidence = min_confidence_;
+  options.max_tokens = longest;
+  options.collect_logits = !sampling.greedy();
+  draft(drafter_, head_, requests, options, workspace_, results_);
+  const int V = drafter_.dims.vocab_size;
+  std::vector<int32_t> order;
+  for (size_t j = 0; j < slots.size(); ++j) {
+    Proposal& proposal = proposals[slots[j]];
+    DraftResult& result = results_[j];
+    const size_t keep = std::min(result.tokens.size(), size_t(max_tokens[slots[j]]));
+    proposal.tokens.assign(result.tokens.begin(), result.tokens.begin() + keep);
+    proposal.confidence.assign(result.confidence.begin(), result.confidence.begin() + keep);
+    if (sampling.greedy()) continue;
+    proposal.probs.resize(keep * V);  // q: the same processing the target's p gets
+    for (size_t k = 0; k < keep; ++k)
+      cpu::processed_distribution(proposal.probs.data() + k * V, result.logits.data() + k * V, V, sampling, order);
+  }
+}
+
+}  // namespace dspark

@@ -1,0 +1,37 @@
+// The DSpark drafter as a draft source: each request keeps its retained
+// context (the tapped target rows of every token in the target's cache) and
+// its own seeded sampling stream; a round drafts all requests in one batch.
+#pragma once
+#include <map>
+
+#include "spec/draft.h"
+#include "spec/draft_source.h"
+
+namespace dspark {
+
+class DSparkSource final : public DraftSource {
+ public:
+  // `head` points into the target's weights, which must outlive the source.
+  DSparkSource(const Drafter& drafter, const TargetHead& head, float min_confidence = 0.0f)
+      : drafter_(drafter), head_(head), min_confidence_(min_confidence) {}
+  std::vector<int> tap_layers() const override { return drafter_.config.tap_layers; }
+  void begin(int row, std::span<const int32_t> prompt, uint64_t seed) override;
+  void accept(int row, std::span<const int32_t> tokens, const float* tapped_rows) override;
+  void propose(std::span<const int> rows, std::span<const int32_t> pending, std::span<const int> max_tokens,
+               const cpu::SamplingParams& sampling, std::vector<Proposal>& proposals) override;
+  void end(int row) override { rows_.erase(row); }
+
+ private:
+  struct RowState {
+    DraftContext context;
+    Rng rng;
+  };
+  const Drafter& drafter_;
+  TargetHead head_;
+  float min_confidence_;
+  std::map<int, RowState> rows_;
+  DraftWorkspace workspace_;
+  std::vector<DraftResult> results_;
+};
+
+}  // namespace dspark

@@ -1,0 +1,206 @@
+#include "spec/speculative.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "core/error.h"
+#include "core/random.h"
+#include "model/generate.h"
+#include "spec/acceptance.h"
+
+namespace dspark {
+
+std::vector<double> SpeculativeStats::acceptance_by_position() const {
+  std::vector<double> rates;
+  for (size_t k = 0; k < drafted_at.size() && drafted_at[k] > 0; ++k)
+    rates.push_back(double(accepted_at[k]) / drafted_at[k]);
+  return rates;
+}
+
+void SpeculativeStats::add(const SpeculativeStats& other) {
+  rounds += other.rounds;
+  drafted += other.drafted;
+  accepted += other.accepted;
+  drafted_at.resize(std::max(drafted_at.size(), other.drafted_at.size()));
+  accepted_at.resize(drafted_at.size());
+  for (size_t k = 0; k < other.drafted_at.size(); ++k) {
+    drafted_at[k] += other.drafted_at[k];
+    accepted_at[k] += other.accepted_at[k];
+  }
+}
+
+uint64_t stream_seed(uint64_t seed, int row, int purpose) {
+  Rng mixer(seed ^ (0x9e3779b97f4a7c15ull * (uint64_t(row) * 2 + purpose + 1)));
+  return mixer.next();
+}
+
+namespace {
+
+struct Request {
+  int sequence = -1;
+  int capacity = 0;
+  int32_t pending = 0;
+  bool done = false;
+  Rng rng{0};
+  SpeculativeResult result;
+};
+
+}  // namespace
+
+std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource& source,
+                                                    std::span<const std::vector<int32_t>> prompts,
+                                                    const SpeculativeOptions& options, SpeculativeTiming* timing) {
+  using Clock = std::chrono::steady_clock;
+  const ModelConfig& config = target.config();
+  const int V = config.vocab_size;
+  DSPARK_CHECK(options.gamma >= 0, "gamma must not be negative");
+  const std::vector<int> taps = source.tap_layers();
+  const size_t tap_width = taps.size() * config.hidden_size;
+  std::vector<Request> requests(prompts.size());
+  const auto start = Clock::now();
+
+  // Prefill: every prompt token but the last enters the cache (and the
+  // drafter's context); the last one is the first round's pending token.
+  std::vector<TargetInput> inputs;
+  std::vector<size_t> owners;
+  for (size_t r = 0; r < prompts.size(); ++r) {
+    const auto& prompt = prompts[r];
+    check_prompt_fits(config, prompt.size());
+    Request& request = requests[r];
+    request.capacity = static_cast<int>(std::min<long>(
+        config.max_positions, long(prompt.size()) + options.max_new_tokens + options.gamma + 1));
+    request.sequence = target.create_sequence(request.capacity);
+    request.pending = prompt.back();
+    request.rng = Rng(stream_seed(options.seed, int(r), 0));
+    request.result.stop_reason = "length";
+    request.result.stats.drafted_at.assign(options.gamma, 0);
+    request.result.stats.accepted_at.assign(options.gamma, 0);
+    source.begin(int(r), prompt, stream_seed(options.seed, int(r), 1));
+    if (prompt.size() > 1) {
+      inputs.push_back({request.sequence, std::span(prompt).first(prompt.size() - 1), false});
+      owners.push_back(r);
+    }
+  }
+  TargetRequest prefill_request;
+  prefill_request.taps = taps;
+  TargetResult step;
+  if (!inputs.empty()) {
+    target.forward(inputs, prefill_request, step);
+    size_t row = 0;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      source.accept(int(owners[i]), inputs[i].tokens, taps.empty() ? nullptr : step.taps.data() + row * tap_width);
+      row += inputs[i].tokens.size();
+    }
+  }
+  const auto prefill_done = Clock::now();
+
+  std::vector<int> active, limits;
+  std::vector<int32_t> pending;
+  std::vector<Proposal> proposals;
+  std::vector<std::vector<int32_t>> blocks;
+  std::vector<float> target_probs;
+  std::vector<int32_t> order;
+  while (true) {
+    active.clear();
+    limits.clear();
+    pending.clear();
+    for (size_t r = 0; r < requests.size(); ++r) {
+      Request& request = requests[r];
+      if (request.done) continue;
+      const int length = target.sequence_length(request.sequence);
+      if (length >= config.max_positions) {  // no room left even for the pending token
+        request.result.stop_reason = "context";
+        request.done = true;
+        continue;
+      }
+      const int remaining = options.max_new_tokens - int(request.result.tokens.size());
+      active.push_back(int(r));
+      pending.push_back(request.pending);
+      limits.push_back(std::max(0, std::min({options.gamma, remaining - 1, config.max_positions - length - 1})));
+    }
+    if (active.empty()) break;
+    source.propose(active, pending, limits, options.sampling, proposals);
+
+    // One verify forward: each active request's [pending, drafts...].
+    inputs.clear();
+    blocks.assign(active.size(), {});
+    for (size_t i = 0; i < active.size(); ++i) {
+      Proposal& proposal = proposals[i];
+      if (int(proposal.tokens.size()) > limits[i]) proposal.tokens.resize(limits[i]);
+      blocks[i].push_back(pending[i]);
+      blocks[i].insert(blocks[i].end(), proposal.tokens.begin(), proposal.tokens.end());
+      inputs.push_back({requests[active[i]].sequence, blocks[i], true});
+    }
+    TargetRequest verify;
+    verify.taps = taps;
+    verify.want_logits = !options.sampling.greedy();
+    target.forward(inputs, verify, step);
+
+    size_t row = 0;
+    for (size_t i = 0; i < active.size(); ++i) {
+      Request& request = requests[active[i]];
+      const Proposal& proposal = proposals[i];
+      const int n = static_cast<int>(proposal.tokens.size());
+      Verdict verdict;
+      if (options.sampling.greedy()) {
+        verdict = accept_greedy(std::span(step.tokens).subspan(row, n + 1), proposal.tokens);
+      } else {
+        target_probs.resize(size_t(n + 1) * V);
+        for (int k = 0; k <= n; ++k)
+          cpu::processed_distribution(target_probs.data() + size_t(k) * V, step.logits.data() + (row + k) * V, V,
+                                      options.sampling, order);
+        verdict = accept_sampled(target_probs, proposal.probs, proposal.tokens, V, request.rng);
+      }
+      // Keep pending + the accepted drafts in the cache; teach the source the same.
+      const int length_before = target.sequence_length(request.sequence) - (n + 1);
+      target.truncate_sequence(request.sequence, length_before + 1 + verdict.accepted);
+      source.accept(active[i], std::span(blocks[i]).first(1 + verdict.accepted),
+                    taps.empty() ? nullptr : step.taps.data() + row * tap_width);
+      row += n + 1;
+
+      SpeculativeStats& stats = request.result.stats;
+      ++stats.rounds;
+      stats.drafted += n;
+      stats.accepted += verdict.accepted;
+      for (int k = 0; k < n; ++k) ++stats.drafted_at[k];
+      for (int k = 0; k < verdict.accepted; ++k) ++stats.accepted_at[k];
+      std::vector<int32_t> emitted(proposal.tokens.begin(), proposal.tokens.begin() + verdict.accepted);
+      emitted.push_back(verdict.next);
+      for (size_t e = 0; e < emitted.size(); ++e) {  // stop conditions, token by token
+        request.result.tokens.push_back(emitted[e]);
+        if (is_eos(config, emitted[e]) && !options.ignore_eos) {
+          request.result.stop_reason = "eos";
+          request.done = true;
+        } else if (int(request.result.tokens.size()) >= options.max_new_tokens) {
+          request.done = true;
+        }
+        if (request.done) {
+          emitted.resize(e + 1);
+          break;
+        }
+      }
+      if (options.trace)
+        request.result.trace.push_back({proposal.tokens, proposal.confidence, verdict.accepted, emitted});
+      request.pending = verdict.next;
+    }
+    for (int r : active)
+      if (requests[r].done) {
+        target.release_sequence(requests[r].sequence);
+        source.end(r);
+      }
+  }
+  for (size_t r = 0; r < requests.size(); ++r)
+    if (requests[r].result.stop_reason == "context") {
+      target.release_sequence(requests[r].sequence);
+      source.end(int(r));
+    }
+  if (timing) {
+    timing->prefill_seconds = std::chrono::duration<double>(prefill_done - start).count();
+    timing->decode_seconds = std::chrono::duration<double>(Clock::now() - prefill_done).count();
+  }
+  std::vector<SpeculativeResult> results;
+  for (Request& request : requests) results.push_back(std::move(request.result));
+  return results;
+}
+
+}  // namespace dspark

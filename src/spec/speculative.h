@@ -1,0 +1,64 @@
+// Lossless speculative decoding (DESIGN.md §3) for a batch of requests with
+// different prompt lengths, draft lengths and accepted lengths. Each round:
+// the source drafts for every active request, one batched target forward
+// verifies each request's [pending, drafts...], the verdict keeps a prefix
+// and adds the target's own token, the target's KV cache is rolled back past
+// the rejected drafts, and the source learns the accepted tokens (with their
+// tapped hidden rows).
+#pragma once
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/sampling.h"
+#include "model/target.h"
+#include "spec/draft_source.h"
+
+namespace dspark {
+
+struct SpeculativeOptions {
+  int max_new_tokens = 128;
+  cpu::SamplingParams sampling;  // greedy at temperature 0
+  uint64_t seed = 0;
+  bool ignore_eos = false;
+  int gamma = 8;                 // most tokens drafted per round
+  bool trace = false;            // keep every round's draft, verdict and emitted tokens
+};
+
+struct RoundTrace {
+  std::vector<int32_t> draft;
+  std::vector<float> confidence;
+  int accepted = 0;
+  std::vector<int32_t> emitted;
+};
+
+struct SpeculativeStats {
+  long rounds = 0, drafted = 0, accepted = 0;
+  std::vector<long> drafted_at, accepted_at;  // [γ] rounds that drafted / accepted position k
+  // Tokens emitted per target verify forward: sum(accepted + 1) / rounds (plain decoding: 1).
+  double tau() const { return rounds ? double(accepted + rounds) / rounds : 0.0; }
+  std::vector<double> acceptance_by_position() const;  // accepted_at[k] / drafted_at[k]
+  void add(const SpeculativeStats& other);
+};
+
+struct SpeculativeResult {
+  std::vector<int32_t> tokens;  // generated ids, the stopping EOS included
+  std::string stop_reason;      // "eos" | "length" | "context"
+  SpeculativeStats stats;
+  std::vector<RoundTrace> trace;
+};
+
+struct SpeculativeTiming {
+  double prefill_seconds = 0.0;
+  double decode_seconds = 0.0;
+};
+
+std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource& source,
+                                                    std::span<const std::vector<int32_t>> prompts,
+                                                    const SpeculativeOptions& options,
+                                                    SpeculativeTiming* timing = nullptr);
+
+// The seed of request `row`'s stream for `purpose` (0: acceptance, 1: drafting).
+uint64_t stream_seed(uint64_t seed, int row, int purpose);
+
+}  // namespace dspark

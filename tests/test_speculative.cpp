@@ -1,0 +1,422 @@
+// Speculative decoding is lossless: greedy output is token-identical to plain
+// greedy decoding for every draft source, gamma, pruning setting and batch
+// composition; sampled output has the target's own distribution; and rolling
+// back the target's KV cache and the drafter's context leaves no trace.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+
+#include "golden.h"
+#include "model/cpu_target.h"
+#include "model/generate.h"
+#include "spec/acceptance.h"
+#include "spec/dspark_source.h"
+#include "spec/ngram_source.h"
+#include "spec/speculative.h"
+
+namespace dspark {
+namespace {
+
+using testing::golden_model;
+using testing::golden_reference;
+
+const Transformer& golden(const std::string& name) {
+  static std::map<std::string, Transformer> models;
+  auto found = models.find(name);
+  if (found == models.end()) found = models.emplace(name, load_transformer(golden_model(name))).first;
+  return found->second;
+}
+
+// Every drafter parameter redrawn, so drafts are neither empty nor trivial.
+Drafter random_drafter(const ModelConfig& target, const std::string& head, int gamma, uint64_t seed, float scale) {
+  DrafterConfig config;
+  config.gamma = gamma;
+  config.d_draft = 32;
+  config.num_layers = 2;
+  config.num_heads = 4;
+  config.markov_rank = 8;
+  config.tap_layers = default_tap_layers(target.num_layers);
+  config.seq_head = head;
+  Drafter drafter = init_drafter(config, {target.hidden_size, target.vocab_size, target.rms_norm_eps}, "t", 1);
+  Rng rng(seed);
+  for (auto& [name, tensor] : drafter.parameters) {
+    const bool norm = name.find("norm") != std::string::npos;
+    const float spread = norm ? 0.2f : scale / std::sqrt(float(tensor.shape[0]));
+    for (long i = 0; i < tensor.numel(); ++i)
+      tensor.data[i] = (norm ? 1.0f : 0.0f) + spread * float(2.0 * rng.uniform() - 1.0) * 1.7f;
+  }
+  return drafter;
+}
+
+// Proposes the target's own greedy continuation: every draft is accepted.
+class OracleSource final : public DraftSource {
+ public:
+  explicit OracleSource(const Transformer& target) : target_(target) {}
+  void begin(int row, std::span<const int32_t> prompt, uint64_t) override { history_[row].clear(); }
+  void accept(int row, std::span<const int32_t> tokens, const float*) override {
+    history_[row].insert(history_[row].end(), tokens.begin(), tokens.end());
+  }
+  void propose(std::span<const int> rows, std::span<const int32_t> pending, std::span<const int> max_tokens,
+               const cpu::SamplingParams&, std::vector<Proposal>& proposals) override {
+    proposals.assign(rows.size(), Proposal{});
+    for (size_t i = 0; i < rows.size(); ++i) {
+      if (max_tokens[i] == 0) continue;
+      std::vector<int32_t> text = history_[rows[i]];
+      text.push_back(pending[i]);
+      CpuTarget target(target_);
+      GenerateOptions options;
+      options.max_new_tokens = max_tokens[i];
+      options.ignore_eos = true;
+      if (text.size() + max_tokens[i] >= size_t(target_.config.max_positions)) continue;
+      proposals[i].tokens = generate(target, text, options).tokens;
+    }
+  }
+  void end(int row) override { history_.erase(row); }
+
+ private:
+  const Transformer& target_;
+  std::map<int, std::vector<int32_t>> history_;
+};
+
+std::vector<std::vector<int32_t>> test_prompts(const std::string& model) {
+  std::vector<std::vector<int32_t>> prompts;
+  const Json forward = golden_reference(model, "forward.json");
+  for (const auto& prompt : forward["prompts"])
+    prompts.push_back(prompt["ids"].get<std::vector<int32_t>>());
+  prompts.push_back({prompts[0][0]});  // a one-token prompt: nothing to prefill, empty context
+  Rng rng(99);
+  std::vector<int32_t> repetitive;  // n-gram lookup finds matches in this one
+  for (int i = 0; i < 30; ++i) repetitive.push_back(int32_t(rng.next() % 5) + 100);
+  prompts.push_back(repetitive);
+  return prompts;
+}
+
+std::vector<int32_t> plain_greedy(const Transformer& model, const std::vector<int32_t>& prompt, int count) {
+  CpuTarget target(model);
+  GenerateOptions options;
+  options.max_new_tokens = count;
+  return generate(target, prompt, options).tokens;
+}
+
+struct GreedyCase {
+  std::string model;
+  std::string source;  // "untrained", "random", "oracle", "ngram"
+  int gamma;
+  float min_confidence;
+};
+
+class GreedyLossless : public ::testing::TestWithParam<GreedyCase> {};
+
+TEST_P(GreedyLossless, SpeculativeEqualsPlain) {
+  const GreedyCase& c = GetParam();
+  const Transformer& model = golden(c.model);
+  const ModelConfig& config = model.config;
+  const Drafter untrained = [&] {
+    DrafterConfig drafter_config;
+    drafter_config.gamma = 8, drafter_config.d_draft = 32, drafter_config.num_layers = 1;
+    drafter_config.num_heads = 4, drafter_config.markov_rank = 8;
+    drafter_config.tap_layers = default_tap_layers(config.num_layers);
+    return init_drafter(drafter_config, {config.hidden_size, config.vocab_size, config.rms_norm_eps}, "t", 5);
+  }();
+  const Drafter random = random_drafter(config, "gru", 8, 17, 3.0f);
+  std::unique_ptr<DraftSource> source;
+  if (c.source == "untrained") source = std::make_unique<DSparkSource>(untrained, target_head_of(model), c.min_confidence);
+  if (c.source == "random") source = std::make_unique<DSparkSource>(random, target_head_of(model), c.min_confidence);
+  if (c.source == "oracle") source = std::make_unique<OracleSource>(model);
+  if (c.source == "ngram") source = std::make_unique<NgramSource>();
+
+  const auto prompts = test_prompts(c.model);
+  const int count = 20;
+  SpeculativeOptions options;
+  options.max_new_tokens = count;
+  options.gamma = c.gamma;
+  // Every prompt alone, then all of them as one ragged batch.
+  std::vector<std::vector<int32_t>> expected;
+  for (const auto& prompt : prompts) expected.push_back(plain_greedy(model, prompt, count));
+  CpuTarget target(model);
+  SpeculativeStats total;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const auto result = speculative_generate(target, *source, std::span(prompts).subspan(i, 1), options);
+    EXPECT_EQ(result[0].tokens, expected[i]) << "prompt " << i;
+    total.add(result[0].stats);
+  }
+  const auto batched = speculative_generate(target, *source, prompts, options);
+  for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(batched[i].tokens, expected[i]) << "batched prompt " << i;
+  if (c.source == "oracle") {
+    EXPECT_EQ(total.accepted, total.drafted);  // every draft accepted
+  } else if (c.source == "untrained") {
+    EXPECT_LE(total.accepted, total.drafted / 10);
+  } else if (c.source == "ngram") {
+    EXPECT_GT(total.drafted, 0);  // the repetitive prompt always has a match
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sources, GreedyLossless,
+    ::testing::Values(GreedyCase{"qwen3", "untrained", 4, 0.0f}, GreedyCase{"qwen3", "random", 1, 0.0f},
+                      GreedyCase{"qwen3", "random", 5, 0.0f}, GreedyCase{"llama", "random", 8, 0.0f},
+                      GreedyCase{"qwen3", "random", 8, 0.45f}, GreedyCase{"llama", "oracle", 3, 0.0f},
+                      GreedyCase{"qwen3", "oracle", 8, 0.0f}, GreedyCase{"qwen3", "ngram", 6, 0.0f},
+                      GreedyCase{"llama", "ngram", 2, 0.0f}));
+
+TEST(SpeculativeLimits, ContextEndAndEosStopLikePlainDecoding) {
+  const Transformer& model = golden("qwen3");
+  const int room = 12;
+  std::vector<int32_t> prompt(model.config.max_positions - room, 0);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t(i * 7 % 900);
+  CpuTarget target(model);
+  GenerateOptions plain_options;
+  plain_options.max_new_tokens = 50;
+  plain_options.ignore_eos = true;
+  const GenerateResult plain = generate(target, prompt, plain_options);
+  OracleSource oracle(model);
+  SpeculativeOptions options;
+  options.max_new_tokens = 50;
+  options.ignore_eos = true;
+  options.gamma = 5;
+  const auto spec = speculative_generate(target, oracle, std::span(&prompt, 1), options);
+  EXPECT_EQ(spec[0].tokens, plain.tokens);
+  EXPECT_EQ(spec[0].stop_reason, "context");
+  EXPECT_EQ(plain.stop_reason, "context");
+
+  // An EOS inside an accepted draft ends the output right after it.
+  ModelConfig with_eos = model.config;
+  Transformer eos_model = model;
+  const auto continuation = plain_greedy(model, test_prompts("qwen3")[0], 12);
+  eos_model.config.eos_token_ids = {continuation[6]};
+  CpuTarget eos_target(eos_model);
+  OracleSource eos_oracle(eos_model);
+  options.ignore_eos = false;
+  options.gamma = 8;
+  const auto prompts = test_prompts("qwen3");
+  const auto stopped = speculative_generate(eos_target, eos_oracle, std::span(prompts).first(1), options);
+  GenerateOptions eos_options;
+  eos_options.max_new_tokens = 50;
+  EXPECT_EQ(stopped[0].tokens, generate(eos_target, prompts[0], eos_options).tokens);
+  EXPECT_EQ(stopped[0].stop_reason, "eos");
+}
+
+// A Target that checks, at every forward, that each sequence's cache holds
+// exactly its accepted history: the logits it returns must equal those of a
+// fresh sequence prefilled with the whole history.
+class FreshPrefillChecker final : public Target {
+ public:
+  explicit FreshPrefillChecker(const Transformer& model) : inner_(model), reference_(model) {}
+  const ModelConfig& config() const override { return inner_.config(); }
+  std::string device_description() const override { return "checker"; }
+  int create_sequence(int capacity) override {
+    const int id = inner_.create_sequence(capacity);
+    history_[id].clear();
+    return id;
+  }
+  void release_sequence(int sequence) override { inner_.release_sequence(sequence), history_.erase(sequence); }
+  int sequence_length(int sequence) const override { return inner_.sequence_length(sequence); }
+  void truncate_sequence(int sequence, int length) override {
+    inner_.truncate_sequence(sequence, length);
+    history_[sequence].resize(length);
+  }
+  void forward(std::span<const TargetInput> inputs, const TargetRequest& request, TargetResult& result) override {
+    TargetRequest with_logits = request;
+    with_logits.want_logits = true;
+    inner_.forward(inputs, with_logits, result);
+    const int V = config().vocab_size;
+    size_t row = 0;
+    for (const TargetInput& input : inputs) {
+      auto& history = history_[input.sequence];
+      history.insert(history.end(), input.tokens.begin(), input.tokens.end());
+      const int fresh = reference_.create_sequence(static_cast<int>(history.size()));
+      TargetInput whole{fresh, history, true};
+      TargetResult expected;
+      TargetRequest logits_only;
+      logits_only.want_logits = true;
+      reference_.forward({&whole, 1}, logits_only, expected);
+      reference_.release_sequence(fresh);
+      const size_t rows = input.all_rows ? input.tokens.size() : 1;
+      const size_t first = history.size() - rows;
+      EXPECT_LE(testing::relative_error(result.logits.data() + row * V, expected.logits.data() + first * V, rows * V),
+                1e-5);
+      ++checks_;
+      row += rows;
+    }
+  }
+  int checks() const { return checks_; }
+
+ private:
+  CpuTarget inner_, reference_;
+  std::map<int, std::vector<int32_t>> history_;
+  int checks_ = 0;
+};
+
+TEST(SpeculativeRollback, TargetCacheAndDrafterContextLeaveNoTrace) {
+  const Transformer& model = golden("llama");
+  const Drafter drafter = random_drafter(model.config, "rnn", 6, 23, 3.0f);
+  FreshPrefillChecker target(model);
+  DSparkSource source(drafter, target_head_of(model));
+  SpeculativeOptions options;
+  options.max_new_tokens = 24;
+  options.gamma = 6;
+  options.sampling = {1.0f, 0, 1.0f};  // sampling rejects at varied positions
+  options.seed = 3;
+  const auto prompts = test_prompts("llama");
+  const auto results = speculative_generate(target, source, std::span(prompts).first(3), options);
+  EXPECT_GT(target.checks(), 20);
+  SpeculativeStats stats;
+  for (const auto& result : results) stats.add(result.stats);
+  EXPECT_GT(stats.drafted, stats.accepted);  // rollbacks happened
+}
+
+// ---------------------------------------------------------------- sampling
+
+// A tiny random target (V = 6) whose full output distribution can be enumerated.
+Transformer tiny_target(uint64_t seed) {
+  Transformer model;
+  ModelConfig& c = model.config;
+  c.family = "qwen3";
+  c.vocab_size = 6, c.hidden_size = 8, c.intermediate_size = 16, c.num_layers = 1;
+  c.num_heads = 2, c.num_kv_heads = 1, c.head_dim = 4, c.max_positions = 64;
+  c.qk_norm = true, c.tie_word_embeddings = true, c.rms_norm_eps = 1e-6f;
+  Rng rng(seed);
+  auto random = [&](Shape shape, float scale, float offset = 0.0f) {
+    Tensor tensor = Tensor::zeros(std::move(shape));
+    for (long i = 0; i < tensor.numel(); ++i) tensor.data[i] = offset + scale * float(2.0 * rng.uniform() - 1.0);
+    return tensor;
+  };
+  model.embed_tokens = random({6, 8}, 0.8f);
+  model.lm_head = model.embed_tokens;
+  model.final_norm = random({8}, 0.2f, 1.0f);
+  LayerWeights layer;
+  layer.input_norm = random({8}, 0.2f, 1.0f);
+  layer.q_proj = random({8, 8}, 0.6f), layer.k_proj = random({4, 8}, 0.6f), layer.v_proj = random({4, 8}, 0.6f);
+  layer.o_proj = random({8, 8}, 0.6f);
+  layer.q_norm = random({4}, 0.2f, 1.0f), layer.k_norm = random({4}, 0.2f, 1.0f);
+  layer.post_attention_norm = random({8}, 0.2f, 1.0f);
+  layer.gate_proj = random({16, 8}, 0.5f), layer.up_proj = random({16, 8}, 0.5f), layer.down_proj = random({8, 16}, 0.5f);
+  model.layers.push_back(std::move(layer));
+  model.rope_inverse_frequency = rope_inverse_frequencies(c);
+  return model;
+}
+
+// p(x1, x2, x3 | prompt) of plain sampling, enumerated exactly.
+std::vector<double> exact_joint(const Transformer& model, const std::vector<int32_t>& prompt,
+                                const cpu::SamplingParams& sampling) {
+  CpuTarget target(model);
+  const int V = model.config.vocab_size;
+  std::vector<double> joint(V * V * V, 0.0);
+  std::vector<float> probs(V);
+  std::vector<int32_t> order;
+  auto next = [&](const std::vector<int32_t>& text) {
+    const int sequence = target.create_sequence(32);
+    TargetInput input{sequence, text, false};
+    TargetRequest request;
+    request.want_logits = true;
+    TargetResult result;
+    target.forward({&input, 1}, request, result);
+    target.release_sequence(sequence);
+    cpu::processed_distribution(probs.data(), result.logits.data(), V, sampling, order);
+    return std::vector<double>(probs.begin(), probs.end());
+  };
+  const auto first = next(prompt);
+  for (int a = 0; a < V; ++a) {
+    if (first[a] == 0) continue;
+    auto text = prompt;
+    text.push_back(a);
+    const auto second = next(text);
+    for (int b = 0; b < V; ++b) {
+      if (second[b] == 0) continue;
+      text.push_back(b);
+      const auto third = next(text);
+      text.pop_back();
+      for (int c = 0; c < V; ++c) joint[(a * V + b) * V + c] = first[a] * second[b] * third[c];
+    }
+  }
+  return joint;
+}
+
+// Pearson chi-square of counts against expected probabilities, cells with an
+// expected count under 5 pooled into one; returns (statistic, degrees of freedom).
+std::pair<double, int> chi_square(const std::vector<long>& counts, const std::vector<double>& probabilities, long draws) {
+  double statistic = 0.0, pooled_expected = 0.0;
+  long pooled_count = 0;
+  int cells = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    const double expected = probabilities[i] * draws;
+    if (expected < 5.0) {
+      pooled_expected += expected, pooled_count += counts[i];
+      continue;
+    }
+    statistic += (counts[i] - expected) * (counts[i] - expected) / expected;
+    ++cells;
+  }
+  if (pooled_expected > 0) {
+    statistic += (pooled_count - pooled_expected) * (pooled_count - pooled_expected) / std::max(pooled_expected, 1e-9);
+    ++cells;
+  }
+  return {statistic, cells - 1};
+}
+
+// The 1 - 1e-4 quantile of chi-square with k degrees of freedom (Wilson-Hilferty).
+double chi_square_bound(int k) {
+  const double z = 3.719, a = 2.0 / (9.0 * k);
+  return k * std::pow(1.0 - a + z * std::sqrt(a), 3.0);
+}
+
+struct SamplingCase {
+  std::string source;
+  cpu::SamplingParams sampling;
+};
+
+class SamplingLossless : public ::testing::TestWithParam<SamplingCase> {};
+
+// 1e5 speculative runs; the joint law of the first three emitted tokens is
+// tested against the exact plain-decoding law. Each case fails by chance with
+// probability 1e-4 (the seeds are fixed, so the outcome is deterministic).
+TEST_P(SamplingLossless, EmittedTokensHaveTheTargetsDistribution) {
+  const SamplingCase& c = GetParam();
+  const Transformer model = tiny_target(7);
+  const std::vector<int32_t> prompt = {1, 4, 2, 2, 5};
+  const int V = model.config.vocab_size;
+  const auto expected = exact_joint(model, prompt, c.sampling);
+  const Drafter drafter = random_drafter(model.config, "markov", 3, 31, 2.0f);
+  std::unique_ptr<DraftSource> source;
+  if (c.source == "drafter") source = std::make_unique<DSparkSource>(drafter, target_head_of(model));
+  if (c.source == "ngram") source = std::make_unique<NgramSource>(2);
+  CpuTarget target(model);
+  SpeculativeOptions options;
+  options.max_new_tokens = 3;
+  options.gamma = 3;
+  options.sampling = c.sampling;
+  const long draws = 100000;
+  std::vector<long> counts(V * V * V, 0);
+  SpeculativeStats stats;
+  std::vector<std::vector<int32_t>> batch(50, prompt);  // 50 requests a call
+  for (long done = 0; done < draws; done += long(batch.size())) {
+    options.seed = 1000003 * done + 17;
+    for (const auto& result : speculative_generate(target, *source, batch, options)) {
+      ++counts[(result.tokens[0] * V + result.tokens[1]) * V + result.tokens[2]];
+      stats.add(result.stats);
+    }
+  }
+  const auto [statistic, freedom] = chi_square(counts, expected, draws);
+  EXPECT_LT(statistic, chi_square_bound(freedom)) << freedom << " degrees of freedom";
+  EXPECT_GT(stats.accepted, 0);
+  EXPECT_LT(stats.accepted, stats.drafted);  // both accepts and rejections were exercised
+}
+
+INSTANTIATE_TEST_SUITE_P(Sources, SamplingLossless,
+                         ::testing::Values(SamplingCase{"drafter", {1.0f, 0, 1.0f}},
+                                           SamplingCase{"drafter", {0.7f, 4, 0.9f}},
+                                           SamplingCase{"ngram", {1.3f, 0, 0.95f}}));
+
+TEST(Acceptance, GreedyKeepsTheMatchingPrefix) {
+  const std::vector<int32_t> target = {5, 6, 7, 8}, draft = {5, 6, 9};
+  const Verdict verdict = accept_greedy(target, draft);
+  EXPECT_EQ(verdict.accepted, 2);
+  EXPECT_EQ(verdict.next, 7);
+  const Verdict all = accept_greedy(std::vector<int32_t>{5, 6, 9, 4}, draft);
+  EXPECT_EQ(all.accepted, 3);
+  EXPECT_EQ(all.next, 4);
+}
+
+}  // namespace
+}  // namespace dspark
