@@ -29,6 +29,9 @@
 #include "model/perplexity.h"
 #include "model/target.h"
 #include "model/tokenizer.h"
+#include "spec/dspark_source.h"
+#include "spec/ngram_source.h"
+#include "spec/speculative.h"
 
 namespace dspark {
 namespace {
@@ -436,6 +439,38 @@ TEST_P(CudaGolden, PerplexityNearTransformers) {
     const PerplexityResult result = perplexity(*cuda_, ids, expected["context"].get<int>());
     EXPECT_EQ(result.tokens, expected["tokens"].get<long>());
     EXPECT_NEAR(result.nll / expected["nll"].get<double>(), 1.0, 1e-2);
+  }
+}
+
+TEST_P(CudaGolden, SpeculativeGreedyEqualsPlainOnTheGpu) {
+  const Transformer host = load_transformer(golden_model(GetParam()));
+  const ModelConfig& c = host.config;
+  DrafterConfig drafter_config;
+  drafter_config.gamma = 6, drafter_config.d_draft = 32, drafter_config.num_layers = 1;
+  drafter_config.num_heads = 4, drafter_config.markov_rank = 8;
+  drafter_config.tap_layers = default_tap_layers(c.num_layers);
+  Drafter drafter = init_drafter(drafter_config, {c.hidden_size, c.vocab_size, c.rms_norm_eps}, "t", 3);
+  Rng rng(5);  // non-trivial weights so that some drafts are accepted and some rejected
+  for (auto& [name, tensor] : drafter.parameters)
+    for (long i = 0; i < tensor.numel(); ++i) tensor.data[i] += 0.3f * float(2.0 * rng.uniform() - 1.0);
+  DSparkSource dspark_source(drafter, target_head_of(host));
+  NgramSource ngram_source;
+  std::vector<std::vector<int32_t>> prompts;
+  for (size_t i = 0; i < forward_["prompts"].size(); ++i) prompts.push_back(prompt(i));
+  GenerateOptions plain_options;
+  plain_options.max_new_tokens = 24;
+  plain_options.ignore_eos = true;
+  const auto plain = generate_batch(*cuda_, prompts, plain_options);
+  SpeculativeOptions options;
+  options.max_new_tokens = 24;
+  options.ignore_eos = true;
+  for (DraftSource* source : std::initializer_list<DraftSource*>{&dspark_source, &ngram_source}) {
+    for (int gamma : {1, 6}) {
+      options.gamma = gamma;
+      const auto spec = speculative_generate(*cuda_, *source, prompts, options);
+      for (size_t i = 0; i < prompts.size(); ++i)
+        EXPECT_EQ(spec[i].tokens, plain[i].tokens) << "prompt " << i << " gamma " << gamma;
+    }
   }
 }
 
