@@ -26,6 +26,14 @@ inline std::string shape_string(const Shape& shape) {
   return out.str();
 }
 
+// Scratch that only grows: `buffer` resized to at least `count` elements, so a
+// workspace reused across calls allocates only when a call is larger than any before.
+template <class T>
+T* grow(std::vector<T>& buffer, size_t count) {
+  if (buffer.size() < count) buffer.resize(count);
+  return buffer.data();
+}
+
 struct Tensor {
   Shape shape;
   float* data = nullptr;

@@ -67,12 +67,6 @@ Transformer load_transformer(const std::filesystem::path& directory) {
 
 namespace {
 
-template <class T>
-T* grow(std::vector<T>& buffer, size_t count) {
-  if (buffer.size() < count) buffer.resize(count);
-  return buffer.data();
-}
-
 // Copies the residual stream x [T, H] into tap slot `slot` of taps [T, m, H].
 void copy_tap(float* taps, const float* x, int rows, int hidden, int slot, int tap_count) {
   for (int row = 0; row < rows; ++row)

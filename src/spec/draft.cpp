@@ -13,12 +13,6 @@
 namespace dspark {
 namespace {
 
-template <class T>
-T* grow(std::vector<T>& buffer, size_t count) {
-  if (buffer.size() < count) buffer.resize(count);
-  return buffer.data();
-}
-
 float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 std::string layer_name(int layer, const char* tensor) { return "bb." + std::to_string(layer) + "." + tensor; }
