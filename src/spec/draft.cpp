@@ -89,37 +89,82 @@ void backbone_forward(const Drafter& drafter, const TargetHead& head, std::span<
   cpu::matmul_forward(grow(work.base_logits, size_t(rows) * V), head_input, head.lm_head, nullptr, rows, H, V);
 }
 
-// The sequential head at one position: adds B_k to `logits` [V] and advances
-// the recurrent state. e = w1[previous token], h = this position's hidden.
-void head_step(const Drafter& drafter, const float* e, const float* h, std::vector<float>& state,
-               std::vector<float>& scratch, float* logits) {
-  const DrafterConfig& c = drafter.config;
-  const int r = c.markov_rank, d = c.d_draft, V = drafter.dims.vocab_size;
-  float* added = grow(scratch, size_t(V) + 5 * r + d);  // B [V], then the GRU's z [2r+d] and gates [3r]
-  if (c.seq_head == "markov") {
-    cpu::matmul_in_out_forward(added, e, drafter["markov.w2"], 1, r, V);
-  } else if (c.seq_head == "rnn") {  // s = tanh(s @ wH + e + bH); B = s @ wO
-    float* pre = added + V;
-    cpu::matmul_in_out_forward(pre, state.data(), drafter["rnn.wH"], 1, r, r);
-    for (int i = 0; i < r; ++i) state[i] = std::tanh(pre[i] + e[i] + drafter["rnn.bH"][i]);
-    cpu::matmul_in_out_forward(added, state.data(), drafter["rnn.wO"], 1, r, V);
-  } else {  // gru: [g, c, o] = [s; e; h] @ wJ + bJ; s = σ(g) s + (1 - σ(g)) tanh(c); B = tanh(o) @ w2
-    float* z = added + V;          // [2r + d]
-    float* gates = z + 2 * r + d;  // [3r]
-    std::copy_n(state.data(), r, z);
-    std::copy_n(e, r, z + r);
-    std::copy_n(h, d, z + 2 * r);
-    cpu::matmul_in_out_forward(gates, z, drafter["gru.wJ"], 1, 2 * r + d, 3 * r);
-    const float* bias = drafter["gru.bJ"];
-    for (int i = 0; i < r; ++i) {
-      const float keep = sigmoid(gates[i] + bias[i]);
-      state[i] = keep * state[i] + (1.0f - keep) * std::tanh(gates[r + i] + bias[r + i]);
-      z[i] = std::tanh(gates[2 * r + i] + bias[2 * r + i]);  // tanh(o), reusing z's head
+// The sequential head and the confidence head, walked position by position
+// for one row at a time. Parameter pointers are resolved once per call, not
+// per position.
+class SequentialHead {
+ public:
+  explicit SequentialHead(const Drafter& drafter)
+      : kind_(drafter.config.seq_head),
+        rank_(drafter.config.markov_rank),
+        width_(drafter.config.d_draft),
+        vocab_(drafter.dims.vocab_size),
+        embedding_(drafter["markov.w1"]),
+        markov_out_(drafter["markov.w2"]),
+        confidence_weight_(drafter["conf.w"]),
+        confidence_bias_(drafter["conf.b"][0]),
+        sts_(drafter.config.sts),
+        state_(rank_),
+        scratch_(size_t(vocab_) + 5 * rank_ + width_) {  // B [V], then the GRU's z [2r+d] and gates [3r]
+    if (kind_ == "rnn") {
+      recurrent_ = drafter["rnn.wH"], recurrent_bias_ = drafter["rnn.bH"], recurrent_out_ = drafter["rnn.wO"];
+    } else if (kind_ == "gru") {
+      recurrent_ = drafter["gru.wJ"], recurrent_bias_ = drafter["gru.bJ"];
     }
-    cpu::matmul_in_out_forward(added, z, drafter["markov.w2"], 1, r, V);
   }
-  cpu::residual_add(logits, added, V);
-}
+
+  void reset() { std::fill(state_.begin(), state_.end(), 0.0f); }
+
+  // e_k = w1[x_{k-1}]
+  const float* embedding(int32_t previous) const { return embedding_ + long(previous) * rank_; }
+
+  // c_k = σ([h_k; e_k] @ conf.w + conf.b), the logit divided by the STS temperature when calibrated.
+  float confidence(int position, const float* hidden, const float* e) const {
+    float logit = confidence_bias_;
+    for (int i = 0; i < width_; ++i) logit += hidden[i] * confidence_weight_[i];
+    for (int i = 0; i < rank_; ++i) logit += e[i] * confidence_weight_[width_ + i];
+    if (sts_ && !sts_->temperatures.empty()) logit /= sts_->temperatures[position];
+    return sigmoid(logit);
+  }
+
+  // Adds B_k to `logits` [V] and advances the recurrent state.
+  void step(const float* e, const float* h, float* logits) {
+    const int r = rank_, d = width_, V = vocab_;
+    float* added = scratch_.data();
+    if (kind_ == "markov") {
+      cpu::matmul_in_out_forward(added, e, markov_out_, 1, r, V);
+    } else if (kind_ == "rnn") {  // s = tanh(s @ wH + e + bH); B = s @ wO
+      float* pre = added + V;
+      cpu::matmul_in_out_forward(pre, state_.data(), recurrent_, 1, r, r);
+      for (int i = 0; i < r; ++i) state_[i] = std::tanh(pre[i] + e[i] + recurrent_bias_[i]);
+      cpu::matmul_in_out_forward(added, state_.data(), recurrent_out_, 1, r, V);
+    } else {  // gru: [g, c, o] = [s; e; h] @ wJ + bJ; s = σ(g) s + (1 - σ(g)) tanh(c); B = tanh(o) @ w2
+      float* z = added + V;          // [2r + d]
+      float* gates = z + 2 * r + d;  // [3r]
+      std::copy_n(state_.data(), r, z);
+      std::copy_n(e, r, z + r);
+      std::copy_n(h, d, z + 2 * r);
+      cpu::matmul_in_out_forward(gates, z, recurrent_, 1, 2 * r + d, 3 * r);
+      const float* bias = recurrent_bias_;
+      for (int i = 0; i < r; ++i) {
+        const float keep = sigmoid(gates[i] + bias[i]);
+        state_[i] = keep * state_[i] + (1.0f - keep) * std::tanh(gates[r + i] + bias[r + i]);
+        z[i] = std::tanh(gates[2 * r + i] + bias[2 * r + i]);  // tanh(o), reusing z's head
+      }
+      cpu::matmul_in_out_forward(added, z, markov_out_, 1, r, V);
+    }
+    cpu::residual_add(logits, added, V);
+  }
+
+ private:
+  std::string kind_;
+  int rank_, width_, vocab_;
+  const float *embedding_, *markov_out_, *confidence_weight_;
+  float confidence_bias_;
+  const std::optional<StsCalibration>& sts_;
+  const float *recurrent_ = nullptr, *recurrent_bias_ = nullptr, *recurrent_out_ = nullptr;
+  std::vector<float> state_, scratch_;
+};
 
 }  // namespace
 
@@ -164,21 +209,10 @@ void extend_draft_context(const Drafter& drafter, DraftContext& context, const f
   context.length += count;
 }
 
-float draft_confidence(const Drafter& drafter, int position, const float* hidden, const float* embedding_row) {
-  const int d = drafter.config.d_draft, r = drafter.config.markov_rank;
-  const float* weight = drafter["conf.w"];
-  float logit = drafter["conf.b"][0];
-  for (int i = 0; i < d; ++i) logit += hidden[i] * weight[i];
-  for (int i = 0; i < r; ++i) logit += embedding_row[i] * weight[d + i];
-  const auto& sts = drafter.config.sts;
-  if (sts && !sts->temperatures.empty()) logit /= sts->temperatures[position];
-  return sigmoid(logit);
-}
-
 void draft(const Drafter& drafter, const TargetHead& head, std::span<const DraftRequest> requests,
            const DraftOptions& options, DraftWorkspace& work, std::vector<DraftResult>& results) {
   const DrafterConfig& c = drafter.config;
-  const int gamma = c.gamma, d = c.d_draft, r = c.markov_rank, V = drafter.dims.vocab_size;
+  const int gamma = c.gamma, d = c.d_draft, V = drafter.dims.vocab_size;
   const int limit = options.max_tokens > 0 ? std::min(options.max_tokens, gamma) : gamma;
   const std::vector<float>& thresholds =
       !options.thresholds.empty() ? options.thresholds
@@ -195,21 +229,22 @@ void draft(const Drafter& drafter, const TargetHead& head, std::span<const Draft
   backbone_forward(drafter, head, contexts, anchors, work);
 
   results.assign(requests.size(), DraftResult{});
-  std::vector<float> state(r), scratch, logits(V);
+  SequentialHead sequential(drafter);
+  std::vector<float> logits(V);
   for (size_t b = 0; b < requests.size(); ++b) {
     DraftResult& result = results[b];
-    std::fill(state.begin(), state.end(), 0.0f);
+    sequential.reset();
     int32_t previous = requests[b].anchor;
     for (int position = 0; position < limit; ++position) {
       const long row = long(b) * gamma + position;
       const float* hidden = work.hidden.data() + row * d;
-      const float* e = drafter["markov.w1"] + long(previous) * r;
-      const float confidence = draft_confidence(drafter, position, hidden, e);
+      const float* e = sequential.embedding(previous);
+      const float confidence = sequential.confidence(position, hidden, e);
       const bool below = (!thresholds.empty() && confidence < thresholds[position]) ||
                          confidence < options.min_confidence;
       if (position >= 1 && below) break;  // pruned here; position 0 is always kept
       std::copy_n(work.base_logits.data() + row * V, V, logits.data());
-      head_step(drafter, e, hidden, state, scratch, logits.data());
+      sequential.step(e, hidden, logits.data());
       int32_t token;
       if (options.sampling.greedy()) {
         token = cpu::argmax(logits.data(), V);
@@ -229,7 +264,7 @@ void draft(const Drafter& drafter, const TargetHead& head, std::span<const Draft
 DraftForward draft_teacher_forced(const Drafter& drafter, const TargetHead& head, const DraftContext& context,
                                   int32_t anchor, std::span<const int32_t> tokens) {
   const DrafterConfig& c = drafter.config;
-  const int gamma = c.gamma, d = c.d_draft, r = c.markov_rank, V = drafter.dims.vocab_size;
+  const int gamma = c.gamma, d = c.d_draft, V = drafter.dims.vocab_size;
   DSPARK_CHECK(tokens.size() == size_t(gamma), "teacher forcing needs ", gamma, " tokens, got ", tokens.size());
   DraftWorkspace work;
   const DraftContext* contexts[] = {&context};
@@ -239,13 +274,12 @@ DraftForward draft_teacher_forced(const Drafter& drafter, const TargetHead& head
   forward.hidden.assign(work.hidden.begin(), work.hidden.begin() + long(gamma) * d);
   forward.base_logits.assign(work.base_logits.begin(), work.base_logits.begin() + long(gamma) * V);
   forward.logits = forward.base_logits;
-  std::vector<float> state(r), scratch;
+  SequentialHead sequential(drafter);
   for (int position = 0; position < gamma; ++position) {
-    const int32_t previous = position == 0 ? anchor : tokens[position - 1];
-    const float* e = drafter["markov.w1"] + long(previous) * r;
+    const float* e = sequential.embedding(position == 0 ? anchor : tokens[position - 1]);
     const float* hidden = forward.hidden.data() + long(position) * d;
-    forward.confidence.push_back(draft_confidence(drafter, position, hidden, e));
-    head_step(drafter, e, hidden, state, scratch, forward.logits.data() + long(position) * V);
+    forward.confidence.push_back(sequential.confidence(position, hidden, e));
+    sequential.step(e, hidden, forward.logits.data() + long(position) * V);
   }
   return forward;
 }

@@ -81,6 +81,7 @@ void draft(const Drafter& drafter, const TargetHead& head, std::span<const Draft
 
 // The whole block of one row under teacher forcing: position k's head sees
 // tokens[k-1] (the anchor at k = 0). For tests and training.
+// Confidences are divided by config.sts temperatures (on the logit) when present.
 struct DraftForward {
   std::vector<float> hidden;       // [γ, d] h = rms(Hd, out_norm)
   std::vector<float> base_logits;  // [γ, V] U
@@ -90,8 +91,5 @@ struct DraftForward {
 
 DraftForward draft_teacher_forced(const Drafter& drafter, const TargetHead& head, const DraftContext& context,
                                   int32_t anchor, std::span<const int32_t> tokens);
-
-// Confidences are calibrated by config.sts temperatures when present.
-float draft_confidence(const Drafter& drafter, int position, const float* hidden, const float* embedding_row);
 
 }  // namespace dspark
