@@ -12,6 +12,7 @@
 #include "core/file.h"
 #include "core/safetensors.h"
 #include "golden.h"
+#include "random_drafter.h"
 #include "model/transformer.h"
 #include "spec/draft.h"
 #include "spec/drafter.h"
@@ -47,16 +48,9 @@ TargetDims golden_dims() {
   return {c.hidden_size, c.vocab_size, c.rms_norm_eps};
 }
 
-// Every parameter redrawn so that no head or confidence is trivially zero.
 Drafter random_drafter(const std::string& head, uint64_t seed) {
   Drafter drafter = init_drafter(small_config(head), golden_dims(), "qwen3", 3);
-  Rng rng(seed);
-  for (auto& [name, tensor] : drafter.parameters) {
-    const bool norm = name.find("norm") != std::string::npos;
-    const float scale = norm ? 0.2f : name == "markov.w1" ? 1.0f : 1.0f / std::sqrt(float(tensor.shape[0]));
-    for (long i = 0; i < tensor.numel(); ++i)
-      tensor.data[i] = (norm ? 1.0f : 0.0f) + scale * float(2.0 * rng.uniform() - 1.0) * 1.7f;
-  }
+  testing::randomize_parameters(drafter, seed, 1.0f);
   return drafter;
 }
 

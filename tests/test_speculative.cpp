@@ -8,6 +8,7 @@
 #include <map>
 
 #include "golden.h"
+#include "random_drafter.h"
 #include "model/cpu_target.h"
 #include "model/generate.h"
 #include "spec/acceptance.h"
@@ -28,7 +29,6 @@ const Transformer& golden(const std::string& name) {
   return found->second;
 }
 
-// Every drafter parameter redrawn, so drafts are neither empty nor trivial.
 Drafter random_drafter(const ModelConfig& target, const std::string& head, int gamma, uint64_t seed, float scale) {
   DrafterConfig config;
   config.gamma = gamma;
@@ -39,13 +39,7 @@ Drafter random_drafter(const ModelConfig& target, const std::string& head, int g
   config.tap_layers = default_tap_layers(target.num_layers);
   config.seq_head = head;
   Drafter drafter = init_drafter(config, {target.hidden_size, target.vocab_size, target.rms_norm_eps}, "t", 1);
-  Rng rng(seed);
-  for (auto& [name, tensor] : drafter.parameters) {
-    const bool norm = name.find("norm") != std::string::npos;
-    const float spread = norm ? 0.2f : scale / std::sqrt(float(tensor.shape[0]));
-    for (long i = 0; i < tensor.numel(); ++i)
-      tensor.data[i] = (norm ? 1.0f : 0.0f) + spread * float(2.0 * rng.uniform() - 1.0) * 1.7f;
-  }
+  testing::randomize_parameters(drafter, seed, scale);
   return drafter;
 }
 

@@ -533,10 +533,11 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
     add_sequence(static_cast<int>(index), sequence.table_row, sequence.length, inputs[index].tokens, sequence.blocks,
                  inputs[index].all_rows);
   }
-  static const std::vector<int32_t> padding_blocks = {0, 1};
-  const std::vector<int32_t> padding_tokens(per_sequence, 0);
+  static const std::vector<int32_t> padding_blocks = {0, 1};  // the reserved blocks, as a block list
+  static const std::vector<int32_t> padding_tokens(kMaxGraphTokens, 0);
   for (int index = static_cast<int>(inputs.size()); index < sequences; ++index)
-    add_sequence(index, kMaxTableRows, 0, padding_tokens, padding_blocks, inputs[0].all_rows);
+    add_sequence(index, kMaxTableRows, 0, std::span(padding_tokens).first(per_sequence), padding_blocks,
+                 inputs[0].all_rows);
   for (int r = 0; r < real_rows; ++r) {
     reinterpret_cast<float*>(words + layout_.uniforms)[r] =
         request.uniforms.empty() ? 0.0f : static_cast<float>(request.uniforms[r]);
