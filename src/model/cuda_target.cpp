@@ -55,7 +55,6 @@ constexpr int kMaxGraphTokens = 64;       // tokens per sequence in a graphed st
 constexpr int kMaxTableRows = 1024;       // sequences alive at once (+1 for padding)
 constexpr long kMaxChunkTokens = 8192;    // a long single-sequence forward runs in chunks
 constexpr long kMaxPoolTokens = 1 << 18;  // KV pool cap
-constexpr long kPartialRowHeads = 8192;   // split-KV scratch: splits * rows bounded by this
 
 inline int ceil_div(long a, long b) { return static_cast<int>((a + b - 1) / b); }
 
@@ -184,9 +183,11 @@ class CudaTarget final : public Target {
   // What one forward runs, after padding: the shapes every kernel launch sees.
   struct StepShape {
     int tokens = 0, sequences = 0, logit_rows = 0, max_query_length = 0, splits = 1;
+    std::vector<int> taps;  // hidden states copied out (a verify step for a DSpark drafter)
     bool operator<(const StepShape& other) const {
-      return std::tie(tokens, sequences, logit_rows, max_query_length, splits) <
-             std::tie(other.tokens, other.sequences, other.logit_rows, other.max_query_length, other.splits);
+      return std::tie(tokens, sequences, logit_rows, max_query_length, splits, taps) <
+             std::tie(other.tokens, other.sequences, other.logit_rows, other.max_query_length, other.splits,
+                      other.taps);
     }
   };
 
@@ -194,13 +195,14 @@ class CudaTarget final : public Target {
   SequenceState& state(int sequence) { return const_cast<SequenceState&>(std::as_const(*this).state(sequence)); }
   void ensure_blocks(SequenceState& sequence, int length);
   void ensure_capacity(long tokens, long sequences);
-  int attention_splits(int tokens, int sequences, int max_query_length) const;
+  int attention_splits(int longest_sequence) const;
+  void ensure_split_capacity(long splits, long tokens);
+  void forget_graphs();
   void forward_chunk(std::span<const TargetInput> inputs, const TargetRequest& request, TargetResult& result);
   void run_step(const StepShape& shape, std::span<const int> taps, bool score);
 
   ModelConfig config_;
   int device_ = 0;
-  int multiprocessors_ = 0;
   cudaStream_t stream_ = nullptr;
   int qkv_width_ = 0;  // (nh + 2 nkv) * hd
 
@@ -240,7 +242,6 @@ CudaTarget::CudaTarget(const std::filesystem::path& directory) {
   config_ = load_model_config(directory);
   const ModelConfig& c = config_;
   CUDA_CHECK(cudaGetDevice(&device_));
-  CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors_, cudaDevAttrMultiProcessorCount, device_));
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   DSPARK_CHECK(c.head_dim == 16 || c.head_dim == 32 || c.head_dim == 64 || c.head_dim == 128,
                "--device cuda: head_dim ", c.head_dim, " is not supported (16, 32, 64, 128)");
@@ -412,22 +413,30 @@ void CudaTarget::ensure_capacity(long tokens, long sequences) {
   nll_.resize(T);
   chosen_host_.resize(T);
   nll_host_.resize(T);
-  partial_out_.resize(kPartialRowHeads * c.num_heads * c.head_dim);
-  partial_lse_.resize(kPartialRowHeads * c.num_heads);
-  // Every captured graph points at the old buffers.
+  forget_graphs();  // every captured graph points at the old buffers
+}
+
+void CudaTarget::forget_graphs() {
   for (auto& [shape, graph] : graphs_) cudaGraphExecDestroy(graph);
   graphs_.clear();
   eager_runs_.clear();
 }
 
-int CudaTarget::attention_splits(int tokens, int sequences, int max_query_length) const {
-  // Enough CTAs for two waves, within the split-KV scratch.
-  const int group = config_.num_heads / config_.num_kv_heads;
-  const long blocks_per_split =
-      long(sequences) * config_.num_kv_heads * ceil_div(long(max_query_length) * group, cuda::kAttentionRowsPerBlock);
-  long splits = std::max<long>(1, (2L * multiprocessors_ + blocks_per_split - 1) / blocks_per_split);
-  splits = std::min<long>({splits, 32, std::max<long>(1, kPartialRowHeads / tokens)});
-  return static_cast<int>(splits);
+int CudaTarget::attention_splits(int longest_sequence) const {
+  // Splits sit at fixed positions (cuda::kSplitTiles tiles each, so decode and
+  // verify reduce alike); the count is rounded up to a power of two so that a
+  // captured graph serves a growing context until it doubles.
+  const int needed = ceil_div(longest_sequence, cuda::kSplitTiles * kBlockSize);
+  return static_cast<int>(std::bit_ceil(unsigned(std::max(needed, 1))));
+}
+
+void CudaTarget::ensure_split_capacity(long splits, long tokens) {
+  const ModelConfig& c = config_;
+  const long row_heads = splits * tokens * c.num_heads;
+  if (splits <= 1 || long(partial_lse_.size()) >= row_heads) return;
+  partial_out_.resize(row_heads * c.head_dim);
+  partial_lse_.resize(row_heads);
+  forget_graphs();  // they point at the old buffers
 }
 
 void CudaTarget::forward(std::span<const TargetInput> inputs, const TargetRequest& request, TargetResult& result) {
@@ -475,9 +484,9 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
   const bool uniform = std::all_of(inputs.begin(), inputs.end(), [&](const TargetInput& input) {
     return input.tokens.size() == per_sequence && input.all_rows == inputs[0].all_rows;
   });
-  const bool graphable = uniform && request.taps.empty() && request.score_tokens.empty() &&
+  const bool graphable = uniform && request.score_tokens.empty() &&
                          inputs.size() <= size_t(kMaxGraphBatch) && per_sequence <= size_t(kMaxGraphTokens);
-  int real_tokens = 0, real_rows = 0, max_query_length = 0;
+  int real_tokens = 0, real_rows = 0, max_query_length = 0, longest_sequence = 0;
   for (const TargetInput& input : inputs) {
     const SequenceState& sequence = state(input.sequence);
     DSPARK_CHECK(!input.tokens.empty(), "a forward needs at least one token per sequence");
@@ -490,6 +499,7 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
     real_tokens += static_cast<int>(input.tokens.size());
     real_rows += input.all_rows ? static_cast<int>(input.tokens.size()) : 1;
     max_query_length = std::max(max_query_length, static_cast<int>(input.tokens.size()));
+    longest_sequence = std::max(longest_sequence, sequence.length + static_cast<int>(input.tokens.size()));
   }
   DSPARK_CHECK(request.sampling.greedy() || request.uniforms.size() == size_t(real_rows), "sampling needs ",
                real_rows, " uniforms, got ", request.uniforms.size());
@@ -504,7 +514,8 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
   shape.logit_rows = real_rows + padding * (inputs[0].all_rows ? static_cast<int>(per_sequence) : 1);
   shape.max_query_length = max_query_length;
   ensure_capacity(shape.tokens, shape.sequences);
-  shape.splits = attention_splits(shape.tokens, shape.sequences, shape.max_query_length);
+  shape.splits = attention_splits(longest_sequence);
+  ensure_split_capacity(shape.splits, shape.tokens);
 
   // Pack the metadata.
   uint32_t* words = staging_.data();
@@ -547,13 +558,18 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
                              stream_));
 
   const bool score = !request.score_tokens.empty();
-  if (!request.taps.empty()) taps_.resize(size_t(shape.tokens) * request.taps.size() * c.hidden_size);
+  shape.taps.assign(request.taps.begin(), request.taps.end());
+  const size_t tap_values = size_t(shape.tokens) * request.taps.size() * c.hidden_size;
+  if (tap_values > taps_.size()) {
+    taps_.resize(tap_values);
+    forget_graphs();  // they point at the old buffer
+  }
   if (graphable && eager_runs_[shape] >= 1 && !profiler_.enabled()) {
     auto found = graphs_.find(shape);
     if (found == graphs_.end()) {
       cudaGraph_t graph;
       CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-      run_step(shape, {}, false);
+      run_step(shape, shape.taps, false);
       CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
       cudaGraphExec_t executable;
       CUDA_CHECK(cudaGraphInstantiate(&executable, graph, 0));

@@ -41,9 +41,12 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int last_row = min(rows, first_row + kAttentionRowsPerBlock) - 1;
   const int visible_end = first_query_position + last_row / group + 1;
   const int tiles = (visible_end + kBlockSize - 1) / kBlockSize;
-  const int tiles_per_split = (tiles + splits - 1) / splits;
-  const int tile_begin = split * tiles_per_split;
-  const int tile_end = min(tiles, tile_begin + tiles_per_split);
+  // Split boundaries sit at fixed positions (kSplitTiles tiles each), never at
+  // a fraction of this step's range: a query's keys are then reduced in the
+  // same order whatever else the step holds (a 1-token decode, a verify block,
+  // other sequences), so decode and verify agree to the bit.
+  const int tile_begin = split * kSplitTiles;
+  const int tile_end = min(tiles, tile_begin + kSplitTiles);
 #pragma unroll
   for (int i = threadIdx.x; i < kAttentionRowsPerBlock * HEAD_DIM; i += kWarps * 32) {  // unrolled: loads overlap
     const int local = i / HEAD_DIM, row = first_row + local;
@@ -162,7 +165,8 @@ __global__ void merge_splits_kernel(bf16* out, const float* partial_out, const f
 #pragma unroll 8
     for (int s = 0; s < splits; ++s) {
       const float lse = partial_lse[s * row_heads + row_head];
-      const float weight = lse == -INFINITY ? 0.0f : __expf(lse - maximum);  // empty splits wrote zeros
+      if (lse == -INFINITY) continue;  // a split past this row's keys: adds exactly nothing
+      const float weight = __expf(lse - maximum);
       weight_sum += weight;
       total += weight * partial_out[(s * row_heads + row_head) * head_dim + dim];
     }

@@ -33,8 +33,8 @@ struct AttentionBatch {
   int max_query_length;            // bound on query_length (sizes the grid)
 };
 
-// head_dim in {16, 32, 64, 128}. splits >= 1; the partial buffers are
-// only used when splits > 1.
+// head_dim in {16, 32, 64, 128}. splits >= ceil(longest sequence / (kSplitTiles *
+// kBlockSize)); the partial buffers are only used when splits > 1.
 void attention_forward(__nv_bfloat16* out, const __nv_bfloat16* q, const __nv_bfloat16* key_cache,
                        const __nv_bfloat16* value_cache, const AttentionBatch& batch, int total_rows,
                        int heads, int kv_heads, int head_dim, int splits, float* partial_out,
@@ -42,5 +42,10 @@ void attention_forward(__nv_bfloat16* out, const __nv_bfloat16* q, const __nv_bf
 
 // Query rows one CTA handles (per kv head); sizes the grid.
 constexpr int kAttentionRowsPerBlock = 16;
+
+// KV tiles per split: split s covers positions [s, s + 1) * kSplitTiles * kBlockSize.
+// `splits` must cover the longest sequence of the step; splits past a
+// sequence's end contribute nothing.
+constexpr int kSplitTiles = 8;
 
 }  // namespace dspark::cuda
