@@ -49,7 +49,8 @@ void check_gradients(std::vector<Check> checks, const std::function<double()>& o
   backward(checks);
   for (size_t i = 0; i < checks.size(); ++i) {
     const std::vector<double> analytic = accumulated(checks[i].gradient, before[i]);
-    const std::vector<double> numeric = numeric_gradient(checks[i].input->data(), checks[i].input->size(), objective, step);
+    const std::vector<double> numeric =
+        numeric_gradient(checks[i].input->data(), checks[i].input->size(), objective, step);
     EXPECT_LE(relative_difference(analytic, numeric), tolerance) << what << " input " << i;
   }
 }
@@ -64,10 +65,13 @@ TEST(KernelBackward, MatmulInOut) {
     cpu::matmul_in_out_forward(y.data(), x.data(), weight.data(), rows, in, out);
     return weighted_sum(y.data(), r);
   };
-  check_gradients({{&x, {}}, {&weight, {}}}, objective, [&](std::vector<Check>& g) {
-    cpu::matmul_in_out_backward(g[0].gradient.data(), g[1].gradient.data(), r.data(), x.data(), weight.data(), rows,
-                                in, out);
-  }, 1e-2f, 1e-4, "matmul_in_out");
+  check_gradients(
+      {{&x, {}}, {&weight, {}}}, objective,
+      [&](std::vector<Check>& g) {
+        cpu::matmul_in_out_backward(g[0].gradient.data(), g[1].gradient.data(), r.data(), x.data(), weight.data(), rows,
+                                    in, out);
+      },
+      1e-2f, 1e-4, "matmul_in_out");
   // One row: the forward's GEMV path.
   std::vector<float> x1 = random_values(rng, in, 1.0f);
   const std::vector<float> r1 = random_values(rng, out, 1.0f);
@@ -75,10 +79,13 @@ TEST(KernelBackward, MatmulInOut) {
     cpu::matmul_in_out_forward(y.data(), x1.data(), weight.data(), 1, in, out);
     return weighted_sum(y.data(), r1);
   };
-  check_gradients({{&x1, {}}, {&weight, {}}}, objective1, [&](std::vector<Check>& g) {
-    cpu::matmul_in_out_backward(g[0].gradient.data(), g[1].gradient.data(), r1.data(), x1.data(), weight.data(), 1,
-                                in, out);
-  }, 1e-2f, 1e-4, "matmul_in_out, one row");
+  check_gradients(
+      {{&x1, {}}, {&weight, {}}}, objective1,
+      [&](std::vector<Check>& g) {
+        cpu::matmul_in_out_backward(g[0].gradient.data(), g[1].gradient.data(), r1.data(), x1.data(), weight.data(), 1,
+                                    in, out);
+      },
+      1e-2f, 1e-4, "matmul_in_out, one row");
 }
 
 TEST(KernelBackward, MatmulOutIn) {
@@ -91,9 +98,13 @@ TEST(KernelBackward, MatmulOutIn) {
     cpu::matmul_forward(y.data(), x.data(), weight.data(), nullptr, rows, in, out);
     return weighted_sum(y.data(), r);
   };
-  check_gradients({{&x, {}}, {&weight, {}}}, objective, [&](std::vector<Check>& g) {
-    cpu::matmul_backward(g[0].gradient.data(), g[1].gradient.data(), r.data(), x.data(), weight.data(), rows, in, out);
-  }, 1e-2f, 1e-4, "matmul");
+  check_gradients(
+      {{&x, {}}, {&weight, {}}}, objective,
+      [&](std::vector<Check>& g) {
+        cpu::matmul_backward(g[0].gradient.data(), g[1].gradient.data(), r.data(), x.data(), weight.data(), rows, in,
+                             out);
+      },
+      1e-2f, 1e-4, "matmul");
   // A frozen weight: only dx.
   std::vector<float> dx(rows * in, 0.0f);
   cpu::matmul_backward(dx.data(), nullptr, r.data(), x.data(), weight.data(), rows, in, out);
@@ -113,10 +124,13 @@ TEST(KernelBackward, RmsNorm) {
     cpu::rmsnorm_forward(y.data(), x.data(), weight.data(), rows, dim, eps);
     return weighted_sum(y.data(), r);
   };
-  check_gradients({{&x, {}}, {&weight, {}}}, objective, [&](std::vector<Check>& g) {
-    cpu::rmsnorm_backward(g[0].gradient.data(), g[1].gradient.data(), r.data(), x.data(), weight.data(), rows, dim,
-                          eps);
-  }, 1e-3f, 1e-3, "rmsnorm");
+  check_gradients(
+      {{&x, {}}, {&weight, {}}}, objective,
+      [&](std::vector<Check>& g) {
+        cpu::rmsnorm_backward(g[0].gradient.data(), g[1].gradient.data(), r.data(), x.data(), weight.data(), rows, dim,
+                              eps);
+      },
+      1e-3f, 1e-3, "rmsnorm");
 }
 
 TEST(KernelBackward, GeluTanhGate) {
@@ -129,9 +143,13 @@ TEST(KernelBackward, GeluTanhGate) {
     cpu::gelu_tanh_gate_forward(y.data(), gate.data(), up.data(), count);
     return weighted_sum(y.data(), r);
   };
-  check_gradients({{&gate, {}}, {&up, {}}}, objective, [&](std::vector<Check>& g) {
-    cpu::gelu_tanh_gate_backward(g[0].gradient.data(), g[1].gradient.data(), r.data(), gate.data(), up.data(), count);
-  }, 1e-3f, 1e-3, "gelu_tanh_gate");
+  check_gradients(
+      {{&gate, {}}, {&up, {}}}, objective,
+      [&](std::vector<Check>& g) {
+        cpu::gelu_tanh_gate_backward(g[0].gradient.data(), g[1].gradient.data(), r.data(), gate.data(), up.data(),
+                                     count);
+      },
+      1e-3f, 1e-3, "gelu_tanh_gate");
 }
 
 TEST(KernelBackward, Softmax) {
@@ -145,9 +163,10 @@ TEST(KernelBackward, Softmax) {
     return weighted_sum(probs.data(), r);
   };
   objective();
-  check_gradients({{&logits, {}}}, objective, [&](std::vector<Check>& g) {
-    cpu::softmax_backward(g[0].gradient.data(), r.data(), probs.data(), rows, dim);
-  }, 1e-3f, 1e-3, "softmax");
+  check_gradients(
+      {{&logits, {}}}, objective,
+      [&](std::vector<Check>& g) { cpu::softmax_backward(g[0].gradient.data(), r.data(), probs.data(), rows, dim); },
+      1e-3f, 1e-3, "softmax");
   // The log normaliser: log probs = logits - log Σ exp(logits).
   cpu::softmax_forward(probs.data(), logits.data(), rows, dim, log_normalizers.data());
   for (int row = 0; row < rows; ++row)
@@ -169,11 +188,14 @@ TEST(KernelBackward, BidirectionalAttention) {
                                            head_dim, scores.data());
       return weighted_sum(out.data(), r);
     };
-    check_gradients({{&q, {}}, {&keys, {}}, {&values, {}}}, objective, [&](std::vector<Check>& g) {
-      cpu::bidirectional_attention_backward(g[0].gradient.data(), g[1].gradient.data(), g[2].gradient.data(), r.data(),
-                                            q.data(), keys.data(), values.data(), rows, kv_rows, heads, head_dim,
-                                            scratch.data());
-    }, 1e-3f, 2e-3, context == 0 ? "attention, no context" : "attention");
+    check_gradients(
+        {{&q, {}}, {&keys, {}}, {&values, {}}}, objective,
+        [&](std::vector<Check>& g) {
+          cpu::bidirectional_attention_backward(g[0].gradient.data(), g[1].gradient.data(), g[2].gradient.data(),
+                                                r.data(), q.data(), keys.data(), values.data(), rows, kv_rows, heads,
+                                                head_dim, scratch.data());
+        },
+        1e-3f, 2e-3, context == 0 ? "attention, no context" : "attention");
   }
 }
 

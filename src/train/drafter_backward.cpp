@@ -37,8 +37,7 @@ struct DrafterTensors {
 };
 
 template <class T>
-DrafterTensors<T> resolve(const DrafterConfig& config, const std::map<std::string, Tensor>& tensors,
-                          const char* what) {
+DrafterTensors<T> resolve(const DrafterConfig& config, const std::map<std::string, Tensor>& tensors, const char* what) {
   auto find = [&](const std::string& name) -> T* {
     auto found = tensors.find(name);
     DSPARK_CHECK(found != tensors.end(), what, " have no tensor \"", name, "\"");
@@ -53,7 +52,8 @@ DrafterTensors<T> resolve(const DrafterConfig& config, const std::map<std::strin
   }
   t.W_c = find("W_c"), t.ctx_norm = find("ctx_norm"), t.tok_proj = find("tok_proj"), t.mask_emb = find("mask_emb");
   t.block_pos = find("block_pos"), t.out_norm = find("out_norm"), t.out_proj = find("out_proj");
-  t.markov_w1 = find("markov.w1"), t.markov_w2 = find("markov.w2"), t.conf_w = find("conf.w"), t.conf_b = find("conf.b");
+  t.markov_w1 = find("markov.w1"), t.markov_w2 = find("markov.w2"), t.conf_w = find("conf.w"),
+  t.conf_b = find("conf.b");
   if (config.seq_head == "rnn") t.rnn_wH = find("rnn.wH"), t.rnn_bH = find("rnn.bH"), t.rnn_wO = find("rnn.wO");
   if (config.seq_head == "gru") t.gru_wJ = find("gru.wJ"), t.gru_bJ = find("gru.bJ");
   return t;
@@ -63,6 +63,7 @@ void check_batch(const Drafter& drafter, const TrainBatch& batch) {
   const DrafterConfig& c = drafter.config;
   const int A = batch.size(), gamma = c.gamma, V = drafter.dims.vocab_size, H = drafter.dims.hidden_size;
   const long width = long(c.tap_layers.size()) * H;
+  DSPARK_CHECK(A >= 1, "train batch has no anchors");
   DSPARK_CHECK(batch.gamma == gamma, "train batch: gamma ", batch.gamma, " but the drafter drafts ", gamma);
   DSPARK_CHECK(batch.hidden_size == H && batch.tap_width == width, "train batch: hidden size ", batch.hidden_size,
                " and tap width ", batch.tap_width, " but the drafter expects ", H, " and ", width);
@@ -70,8 +71,9 @@ void check_batch(const Drafter& drafter, const TrainBatch& batch) {
                "train batch: ", batch.context_offsets.size(), " context offsets for ", A, " anchors");
   for (int a = 0; a < A; ++a)
     DSPARK_CHECK(batch.context_length(a) >= 0, "train batch: anchor ", a, " has a negative context length");
-  DSPARK_CHECK(batch.context_rows.size() == size_t(batch.context_offsets[A]) * width, "train batch: ",
-               batch.context_rows.size(), " context floats for ", batch.context_offsets[A], " rows of ", width);
+  DSPARK_CHECK(batch.context_rows.size() == size_t(batch.context_offsets[A]) * width,
+               "train batch: ", batch.context_rows.size(), " context floats for ", batch.context_offsets[A],
+               " rows of ", width);
   DSPARK_CHECK(batch.targets.size() == size_t(A) * gamma && batch.mask.size() == size_t(A) * gamma &&
                    batch.target_hidden.size() == size_t(A) * gamma * H,
                "train batch: targets, mask or target rows do not match ", A, " anchors of ", gamma, " positions");
@@ -191,7 +193,8 @@ void drafter_training_forward(const Drafter& drafter, const TargetHead& head, co
       previous[long(k) * A + a] = k == 0 ? batch.anchors[a] : batch.targets[long(a) * gamma + k - 1];
   float* embedded = grow(act.embedded, size_t(rows) * r);
   cpu::embedding_forward(embedded, p.markov_w1, previous, rows, r);
-  float* added = grow(act.logits_gradient, size_t(rows) * V);  // B, before the loss writes the gradient here
+  // B is computed in logits_gradient, scratch until the loss writes the gradient there.
+  float* added = grow(act.logits_gradient, size_t(rows) * V);
   if (c.seq_head == "markov") {  // B = e @ w2
     cpu::matmul_in_out_forward(added, embedded, p.markov_w2, rows, r, V);
   } else if (c.seq_head == "rnn") {  // s_k = tanh(s_{k-1} @ wH + e_k + bH), s_{-1} = 0; B = s @ wO
@@ -199,8 +202,10 @@ void drafter_training_forward(const Drafter& drafter, const TargetHead& head, co
     for (int k = 0; k < gamma; ++k) {
       float* current = state + long(k) * A * r;
       const float* e = embedded + long(k) * A * r;
-      if (k == 0) std::fill_n(current, long(A) * r, 0.0f);
-      else cpu::matmul_in_out_forward(current, current - long(A) * r, p.rnn_wH, A, r, r);
+      if (k == 0)
+        std::fill_n(current, long(A) * r, 0.0f);
+      else
+        cpu::matmul_in_out_forward(current, current - long(A) * r, p.rnn_wH, A, r, r);
       for (int a = 0; a < A; ++a)
         for (int i = 0; i < r; ++i) {
           float& s = current[long(a) * r + i];
@@ -218,8 +223,10 @@ void drafter_training_forward(const Drafter& drafter, const TargetHead& head, co
       for (int a = 0; a < A; ++a) {
         const long row = long(k) * A + a;
         float* zrow = z + row * z_width;
-        if (k == 0) std::fill_n(zrow, r, 0.0f);
-        else std::copy_n(state + (row - A) * r, r, zrow);
+        if (k == 0)
+          std::fill_n(zrow, r, 0.0f);
+        else
+          std::copy_n(state + (row - A) * r, r, zrow);
         std::copy_n(embedded + row * r, r, zrow + r);
         std::copy_n(hidden + row * d, d, zrow + 2 * r);
       }
@@ -249,8 +256,8 @@ void drafter_training_forward(const Drafter& drafter, const TargetHead& head, co
   }
 }
 
-void drafter_backward(const Drafter& drafter, const TargetHead& head, const TrainBatch& batch,
-                      DrafterActivations& act, Gradients& gradients) {
+void drafter_backward(const Drafter& drafter, const TargetHead& head, const TrainBatch& batch, DrafterActivations& act,
+                      Gradients& gradients) {
   const DrafterConfig& c = drafter.config;
   const int A = batch.size(), gamma = c.gamma, d = c.d_draft, inner = c.ff_mult * d, r = c.markov_rank;
   const int H = drafter.dims.hidden_size, V = drafter.dims.vocab_size, width = batch.tap_width;
@@ -294,8 +301,8 @@ void drafter_backward(const Drafter& drafter, const TargetHead& head, const Trai
         g.rnn_bH[i % r] += d_state[i];
       }
       if (k > 0)  // s_{k-1} @ wH
-        cpu::matmul_in_out_backward(d_state + first - long(A) * r, g.rnn_wH, d_state + first, state + first - long(A) * r,
-                                    p.rnn_wH, A, r, r);
+        cpu::matmul_in_out_backward(d_state + first - long(A) * r, g.rnn_wH, d_state + first,
+                                    state + first - long(A) * r, p.rnn_wH, A, r, r);
     }
   } else {
     const int z_width = 2 * r + d;
@@ -415,8 +422,8 @@ void drafter_backward(const Drafter& drafter, const TargetHead& head, const Trai
       float* d_context_normed = zeroed(act.d_context_normed, size_t(C) * d);
       cpu::matmul_in_out_backward(d_context_normed, dw.k, d_context_k, context_normed, w.k, C, d, d);
       cpu::matmul_in_out_backward(d_context_normed, dw.v, d_context_v, context_normed, w.v, C, d, d);
-      cpu::rmsnorm_backward(d_context_hidden, dw.attn_norm, d_context_normed, act.context_hidden.data(), w.attn_norm,
-                            C, d, eps);
+      cpu::rmsnorm_backward(d_context_hidden, dw.attn_norm, d_context_normed, act.context_hidden.data(), w.attn_norm, C,
+                            d, eps);
     }
   }
 
@@ -426,8 +433,10 @@ void drafter_backward(const Drafter& drafter, const TargetHead& head, const Trai
     for (int k = 0; k < gamma; ++k) {
       const float* d_row = d_block + (long(a) * gamma + k) * d;
       for (int i = 0; i < d; ++i) g.block_pos[long(k) * d + i] += d_row[i];
-      if (k == 0) std::copy_n(d_row, d, d_token + long(a) * d);
-      else cpu::residual_add(g.mask_emb + long(k - 1) * d, d_row, d);
+      if (k == 0)
+        std::copy_n(d_row, d, d_token + long(a) * d);
+      else
+        cpu::residual_add(g.mask_emb + long(k - 1) * d, d_row, d);
     }
   cpu::matmul_in_out_backward(nullptr, g.tok_proj, d_token, act.anchor_embeddings.data(), p.tok_proj, A, H, d);
 

@@ -49,17 +49,17 @@ struct DrafterActivations {
   std::vector<float> context_hidden;     // [C, d] Hc = rms(context_projected, ctx_norm)
   std::vector<float> anchor_embeddings;  // [A, H] the target's embedding rows of the anchors
   std::vector<Layer> layers;
-  std::vector<float> block;              // [A·γ, d] the residual stream after the last layer
-  std::vector<int32_t> previous;         // [γ·A] head rows: x_{k-1}, the anchor at k = 0 (teacher forced)
-  std::vector<float> hidden;             // [γ·A, d] head rows: h = rms(block, out_norm)
-  std::vector<float> head_input;         // [γ·A, H] h @ out_proj
-  std::vector<float> embedded;           // [γ·A, r] e = markov.w1[previous]
-  std::vector<float> state;              // [γ·A, r] rnn, gru: s_k
-  std::vector<float> gru_input;          // [γ·A, 2r+d] gru: z = [s_{k-1}; e; h]
-  std::vector<float> gru_gates;          // [γ·A, 3r] gru: [g, c, o] = z @ gru.wJ + gru.bJ
-  std::vector<float> gru_output;         // [γ·A, r] gru: tanh(o)
-  std::vector<float> logits;             // [γ·A, V] L = U + B
-  std::vector<float> confidence;         // [γ·A] c = σ([h; e] @ conf.w + conf.b), no STS temperature
+  std::vector<float> block;       // [A·γ, d] the residual stream after the last layer
+  std::vector<int32_t> previous;  // [γ·A] head rows: x_{k-1}, the anchor at k = 0 (teacher forced)
+  std::vector<float> hidden;      // [γ·A, d] head rows: h = rms(block, out_norm)
+  std::vector<float> head_input;  // [γ·A, H] h @ out_proj
+  std::vector<float> embedded;    // [γ·A, r] e = markov.w1[previous]
+  std::vector<float> state;       // [γ·A, r] rnn, gru: s_k
+  std::vector<float> gru_input;   // [γ·A, 2r+d] gru: z = [s_{k-1}; e; h]
+  std::vector<float> gru_gates;   // [γ·A, 3r] gru: [g, c, o] = z @ gru.wJ + gru.bJ
+  std::vector<float> gru_output;  // [γ·A, r] gru: tanh(o)
+  std::vector<float> logits;      // [γ·A, V] L = U + B
+  std::vector<float> confidence;  // [γ·A] c = σ([h; e] @ conf.w + conf.b), no STS temperature
 
   // Written by the loss, read by drafter_backward.
   std::vector<float> logits_gradient;      // [γ·A, V] dLoss/dL (the forward borrows it as scratch for B)

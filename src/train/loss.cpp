@@ -33,18 +33,25 @@ LossTerms drafter_loss(const Drafter& drafter, const TargetHead& head, const Tra
   float* log_normalizers = grow(work.log_normalizers, size_t(rows));
   cpu::softmax_forward(probabilities, act.logits.data(), rows, V, log_normalizers);
 
-  // Per position: the weight w_k·mask / Σ w·mask, CE, L1, the label c* and the BCE.
+  // Per trained position: its weight w_k·mask / Σ w·mask, CE, L1, the label c* and the BCE.
+  float* position_weights = grow(work.position_weights, size_t(rows));
   double total_weight = 0.0;
-  for (long row = 0; row < rows; ++row)
-    total_weight += std::exp(-double(row / A) / weights.gamma_decay) * batch.mask[block_row(row)];
-  float* l1 = grow(work.l1, size_t(rows));
+  for (long row = 0; row < rows; ++row) {
+    const float mask = batch.mask[block_row(row)];
+    position_weights[row] =
+        mask > 0.0f ? static_cast<float>(std::exp(-double(row / A) / weights.gamma_decay)) * mask : 0.0f;
+    total_weight += position_weights[row];
+  }
+  const double normalizer = total_weight > 0.0 ? 1.0 / total_weight : 0.0;  // nothing trained: every weight 0
+  for (long row = 0; row < rows; ++row) position_weights[row] = static_cast<float>(position_weights[row] * normalizer);
   const bool hold = work.hold_for_gradient_check;
   DSPARK_CHECK(!hold || work.signs.size() >= size_t(rows) * V, "loss: nothing to hold for a gradient check yet");
+  float* l1 = grow(work.l1, size_t(rows));
   float* labels = grow(work.labels, size_t(rows));
   int8_t* signs = grow(work.signs, size_t(rows) * V);
   LossTerms terms;
   for (long row = 0; row < rows; ++row) {
-    const long source = block_row(row);
+    if (position_weights[row] == 0.0f) continue;  // masked
     const float* p = probabilities + row * V;
     const float* t = target + row * V;
     int8_t* sign = signs + row * V;
@@ -55,12 +62,9 @@ LossTerms drafter_loss(const Drafter& drafter, const TargetHead& head, const Tra
     }
     l1[row] = static_cast<float>(distance);
     if (!hold) labels[row] = 1.0f - 0.5f * l1[row];
-    if (batch.mask[source] <= 0.0f) continue;
-    const double weight = std::exp(-double(row / A) / weights.gamma_decay) * batch.mask[source] / total_weight;
-    const int32_t expected = batch.targets[source];
+    const double weight = position_weights[row], label = labels[row];
     const double c = std::clamp(act.confidence[row], kConfidenceFloor, 1.0f - kConfidenceFloor);
-    const double label = labels[row];
-    terms.ce += weight * (log_normalizers[row] - act.logits[row * V + expected]);
+    terms.ce += weight * (log_normalizers[row] - act.logits[row * V + batch.targets[block_row(row)]]);
     terms.l1 += weight * distance;
     terms.bce -= weight * (label * std::log(c) + (1.0 - label) * std::log(1.0 - c));
     ++terms.positions;
@@ -73,7 +77,7 @@ LossTerms drafter_loss(const Drafter& drafter, const TargetHead& head, const Tra
     double survival = 1.0, tau = 1.0;
     bool trained = false;
     for (int k = 0; k < gamma; ++k) {
-      if (batch.mask[long(a) * gamma + k] <= 0.0f) continue;
+      if (position_weights[long(k) * A + a] == 0.0f) continue;  // masked
       survival *= 1.0 - 0.5 * l1[long(k) * A + a];
       tau += survival;
       trained = true;
@@ -89,21 +93,19 @@ LossTerms drafter_loss(const Drafter& drafter, const TargetHead& head, const Tra
   float* d_confidence = grow(act.confidence_gradient, size_t(rows));
   float* d_probabilities = grow(work.d_probabilities, size_t(V));
   for (long row = 0; row < rows; ++row) {
-    const long source = block_row(row);
     float* d_row = d_logits + row * V;
     std::fill_n(d_row, V, 0.0f);
     d_confidence[row] = 0.0f;
-    if (batch.mask[source] <= 0.0f) continue;
-    const float weight =
-        static_cast<float>(std::exp(-double(row / A) / weights.gamma_decay) * batch.mask[source] / total_weight);
+    const float weight = position_weights[row];
+    if (weight == 0.0f) continue;  // masked
     const float* p = probabilities + row * V;
     const int8_t* sign = signs + row * V;
-    const float ce = weights.ce * weight, l1_weight = weights.l1 * weight;
+    const float ce = weights.ce * weight, l1 = weights.l1 * weight;
     for (int i = 0; i < V; ++i) {
       d_row[i] = ce * p[i];
-      d_probabilities[i] = l1_weight * sign[i];
+      d_probabilities[i] = l1 * sign[i];
     }
-    d_row[batch.targets[source]] -= ce;
+    d_row[batch.targets[block_row(row)]] -= ce;
     cpu::softmax_backward(d_row, d_probabilities, p, 1, V);
     const float c = act.confidence[row];
     if (c >= kConfidenceFloor && c <= 1.0f - kConfidenceFloor)

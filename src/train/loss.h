@@ -30,7 +30,7 @@ struct LossWeights {
 };
 
 struct LossTerms {
-  double loss = 0.0;          // ce·CE + l1·L1 + bce·BCE
+  double loss = 0.0;  // ce·CE + l1·L1 + bce·BCE
   double ce = 0.0, l1 = 0.0, bce = 0.0;
   double tau_estimate = 0.0;  // mean over anchors of 1 + Σ_j Π_{i<=j} (1 - L1_i / 2), over unmasked positions
   long positions = 0;         // trained (unmasked) positions
@@ -44,14 +44,15 @@ struct LossTerms {
 // in head-row order (row k·A + a, see train/drafter_backward.h).
 struct LossWorkspace {
   DrafterActivations activations;
-  std::vector<float> target_rows;    // [γ·A, H] target_hidden in head-row order
-  std::vector<float> probabilities;  // [γ·A, V] p_d
-  std::vector<float> target;         // [γ·A, V] p_t
-  std::vector<float> log_normalizers;  // [γ·A] log Σ exp(L)
-  std::vector<float> l1;             // [γ·A] ||p_d - p_t||_1
-  std::vector<float> labels;         // [γ·A] c* = 1 - L1 / 2
-  std::vector<int8_t> signs;         // [γ·A, V] sign(p_d - p_t): dL1/dp_d
-  std::vector<float> d_probabilities;  // [V] scratch: dLoss/dp_d of one row
+  std::vector<float> target_rows;       // [γ·A, H] target_hidden in head-row order
+  std::vector<float> probabilities;     // [γ·A, V] p_d
+  std::vector<float> target;            // [γ·A, V] p_t
+  std::vector<float> log_normalizers;   // [γ·A] log Σ exp(L)
+  std::vector<float> position_weights;  // [γ·A] w_k·mask / Σ w·mask; 0 where masked
+  std::vector<float> l1;                // [γ·A] ||p_d - p_t||_1
+  std::vector<float> labels;            // [γ·A] c* = 1 - L1 / 2
+  std::vector<int8_t> signs;            // [γ·A, V] sign(p_d - p_t): dL1/dp_d
+  std::vector<float> d_probabilities;   // [V] scratch: dLoss/dp_d of one row
   // Gradient checks only: reuse `labels` and `signs` from the previous call.
   // The loss is then c* held constant, as the stop-gradient makes it, and L1
   // linearised as Σ sign·(p_d - p_t): smooth, with the same value and gradient

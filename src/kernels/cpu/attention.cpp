@@ -52,11 +52,19 @@ void attention_forward(float* out, const float* q, const float* keys, const floa
 void bidirectional_attention_forward(float* out, const float* q, const float* keys, const float* values, int rows,
                                      int kv_rows, int heads, int head_dim, float* scores) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  const long stride = static_cast<long>(heads) * head_dim;
+  const int stride = heads * head_dim;  // one head's rows are `stride` floats apart
   for (int row = 0; row < rows; ++row)
-    for (int head = 0; head < heads; ++head)
-      attend_one(out + row * stride + head * head_dim, q + row * stride + head * head_dim, keys + head * head_dim,
-                 values + head * head_dim, kv_rows, stride, head_dim, scale, scores);
+    for (int head = 0; head < heads; ++head) {
+      const long offset = long(head) * head_dim, query = long(row) * stride + offset;
+      // scores = scale K_h q;  out = V_h^T softmax(scores): BLAS matrix-vector products over the strided head.
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, kv_rows, head_dim, scale, keys + offset, stride, q + query, 1, 0.0f,
+                  scores, 1);
+      const float maximum = *std::max_element(scores, scores + kv_rows);
+      float total = 0.0f;
+      for (int t = 0; t < kv_rows; ++t) total += (scores[t] = std::exp(scores[t] - maximum));
+      cblas_sgemv(CblasRowMajor, CblasTrans, kv_rows, head_dim, 1.0f / total, values + offset, stride, scores, 1, 0.0f,
+                  out + query, 1);
+    }
 }
 
 void bidirectional_attention_backward(float* dq, float* dkeys, float* dvalues, const float* dout, const float* q,
