@@ -419,6 +419,15 @@ TEST_P(LossGolden, TermsAndEveryGradientMatchPyTorch) {
     const std::vector<double> a(ours.data, ours.data + ours.numel()), b(theirs.data, theirs.data + theirs.numel());
     EXPECT_LE(relative_difference(a, b), 1e-5) << name;  // f32 against f64: ~5e-7 seen
   }
+
+  // Gradients accumulate: a second call adds the same again.
+  drafter_loss(drafter, TargetHead{embedding.data, lm_head.data}, batch, weights, &gradients, workspace);
+  for (const std::string& name : drafter.names) {
+    const Tensor theirs = expected.load_f32("grad." + name), ours = gradients.at(name);
+    std::vector<double> a(ours.data, ours.data + ours.numel()), b(theirs.data, theirs.data + theirs.numel());
+    for (double& value : b) value *= 2.0;
+    EXPECT_LE(relative_difference(a, b), 1e-5) << name << " after two calls";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Heads, LossGolden, ::testing::Values("markov", "rnn", "gru"));
