@@ -32,8 +32,10 @@ struct LossWeights {
 struct LossTerms {
   double loss = 0.0;  // ce·CE + l1·L1 + bce·BCE
   double ce = 0.0, l1 = 0.0, bce = 0.0;
-  double tau_estimate = 0.0;  // mean over anchors of 1 + Σ_j Π_{i<=j} (1 - L1_i / 2), over unmasked positions
-  long positions = 0;         // trained (unmasked) positions
+  // Mean over anchors of 1 + Σ_j Π_{i<=j} (1 - L1_i / 2), i and j over the anchor's unmasked
+  // positions; anchors with none are left out of the mean.
+  double tau_estimate = 0.0;
+  long positions = 0;  // trained (unmasked) positions; 0: every term, τ̂ and the gradient are 0
 };
 
 // Gradients (by parameter name) and zero_gradients() are declared in
@@ -62,6 +64,8 @@ struct LossWorkspace {
 };
 
 // The loss of `batch`; when `gradients` is non-null, also dL/dθ, accumulated (+=).
+// The target head is read, never copied, and gets no gradient. Throws
+// dspark::Error when the batch does not fit the drafter (γ, widths, ids, sizes).
 LossTerms drafter_loss(const Drafter& drafter, const TargetHead& head, const TrainBatch& batch,
                        const LossWeights& weights, Gradients* gradients, LossWorkspace& workspace);
 
