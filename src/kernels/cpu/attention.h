@@ -21,4 +21,13 @@ void attention_forward(float* out, const float* q, const float* keys, const floa
 void bidirectional_attention_forward(float* out, const float* q, const float* keys, const float* values, int rows,
                                      int kv_rows, int heads, int head_dim, float* scores);
 
+// Its backward, given dout [rows, heads, hd]: dq [rows, heads, hd], dkeys and
+// dvalues [kv_rows, heads, hd] accumulate (+=). The attention weights are
+// recomputed from q and keys (the forward keeps none). A ragged batch calls it
+// once per sequence with that sequence's own kv_rows, so no padded column ever
+// enters the softmax. `scratch` holds at least 2 * rows * kv_rows floats.
+void bidirectional_attention_backward(float* dq, float* dkeys, float* dvalues, const float* dout, const float* q,
+                                      const float* keys, const float* values, int rows, int kv_rows, int heads,
+                                      int head_dim, float* scratch);
+
 }  // namespace dspark::cpu

@@ -19,6 +19,17 @@ void matmul_forward(float* out, const float* x, const float* weight, const float
         out[static_cast<long>(row) * out_features + column] += bias[column];
 }
 
+void matmul_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight, int rows,
+                     int in_features, int out_features) {
+  if (rows == 0) return;
+  if (dx)
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, in_features, out_features, 1.0f, dout,
+                out_features, weight, in_features, 1.0f, dx, in_features);
+  if (dweight)
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, out_features, in_features, rows, 1.0f, dout, out_features,
+                x, in_features, 1.0f, dweight, in_features);
+}
+
 void matmul_in_out_forward(float* out, const float* x, const float* weight, int rows, int in_features,
                            int out_features) {
   if (rows == 1) {
@@ -27,6 +38,17 @@ void matmul_in_out_forward(float* out, const float* x, const float* weight, int 
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, out_features, in_features, 1.0f, x, in_features,
                 weight, out_features, 0.0f, out, out_features);
   }
+}
+
+void matmul_in_out_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight,
+                            int rows, int in_features, int out_features) {
+  if (rows == 0) return;
+  if (dx)
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, in_features, out_features, 1.0f, dout, out_features,
+                weight, out_features, 1.0f, dx, in_features);
+  if (dweight)
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, in_features, out_features, rows, 1.0f, x, in_features,
+                dout, out_features, 1.0f, dweight, out_features);
 }
 
 }  // namespace dspark::cpu
