@@ -572,6 +572,10 @@ LICENCE_NOTES = [
     "and pip-installed distributions in pyenv site-packages (licences listed below as pypi:NAME; all "
     "seen were permissive: MIT, BSD, Apache-2.0, MPL-2.0, PSF). Anything listed as 'other' or with "
     "an unknown licence deserves a look.",
+    "not from Debian main: nodejs here is NodeSource's build (Node.js docs and headers, MIT; V8 BSD; "
+    "its bundled OpenSSL headers Apache-2.0), and the pyenv Pythons with their pip packages.",
+    "packages whose copyright file is not machine-readable are listed with 'not machine-readable: see "
+    "/usr/share/doc/PACKAGE/copyright'; read those files if in doubt.",
     "excluded on purpose: /usr/local/cuda (NVIDIA EULA), the Google Cloud SDK and its gcloud man "
     "pages (not from Debian), copyright/licence files and changelogs.",
 ]
