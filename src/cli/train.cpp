@@ -50,8 +50,8 @@ void check_data_matches_target(const Dataset& data, const ModelConfig& target, c
 }
 
 void run_train(TrainFlags& flags) {
-  DSPARK_CHECK(flags.device == "cpu",
-               "--device ", flags.device, ": training runs on the CPU only for now (CUDA training is not supported yet)");
+  // auto means the CPU until training runs on the GPU.
+  DSPARK_CHECK(flags.device != "cuda", "--device cuda: training on the GPU is not supported yet (use --device cpu)");
   const ModelConfig target = load_model_config(flags.model);
   const std::string target_id = target_id_of(flags.model);
   const Dataset data(flags.data);
@@ -118,7 +118,7 @@ void add_train_command(CLI::App& app) {
   command->add_option("--data", f.data, "data directory written by `dspark regen`")->required();
   command->add_option("-o,--output", f.output, "drafter directory to write (checkpoints, best/, log)")->required();
   command->add_flag("--resume", f.resume, "continue the run in the output directory where it stopped");
-  command->add_option("--device", f.device, "cpu (cuda: not supported yet)")
+  command->add_option("--device", f.device, "cpu (auto = cpu; cuda: not supported yet)")
       ->capture_default_str()->check(CLI::IsMember({"cpu", "cuda", "auto"}));
 
   auto architecture = [&](CLI::Option* option, std::function<bool(const DrafterConfig&)> matches) {
