@@ -54,8 +54,8 @@ struct SyntheticData {
       std::vector<int32_t> ids;
       std::vector<uint16_t> rows;
       for (int s : shards[shard]) {
-        manifest.sequences.push_back({int(shard), long(ids.size()), sequences[s].prompt_length,
-                                      int(sequences[s].ids.size()), s + 1, "length"});
+        manifest.sequences.push_back(
+            {int(shard), long(ids.size()), sequences[s].prompt_length, int(sequences[s].ids.size()), s + 1, "length"});
         ids.insert(ids.end(), sequences[s].ids.begin(), sequences[s].ids.end());
         for (float value : sequences[s].rows) rows.push_back(f32_to_bf16(value));
       }
@@ -186,9 +186,9 @@ TEST(DatasetSplit, HoldsOutEvenlySpacedSequencesDeterministically) {
   EXPECT_EQ(hundred.held_out, (std::vector<int>{9, 19, 29, 39, 49, 59, 69, 79, 89, 99}));
   EXPECT_EQ(split_dataset(6, 0.05).held_out, std::vector<int>{5});  // at least one
   EXPECT_TRUE(split_dataset(6, 0.0).held_out.empty());
-  EXPECT_TRUE(split_dataset(1, 0.5).held_out.empty());              // never the only sequence
+  EXPECT_TRUE(split_dataset(1, 0.5).held_out.empty());  // never the only sequence
   const DatasetSplit half = split_dataset(3, 0.9);
-  EXPECT_EQ(half.train.size(), 1u);                                 // never every sequence
+  EXPECT_EQ(half.train.size(), 1u);  // never every sequence
 }
 
 }  // namespace

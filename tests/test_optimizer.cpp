@@ -125,8 +125,8 @@ TEST(GradientClipping, ScalesToTheGlobalNormOnlyAboveIt) {
 }
 
 TEST(WeightDecay, MatricesDecayNormsBiasesAndTablesDoNot) {
-  for (const char* name : {"bb.0.q", "bb.1.down", "W_c", "tok_proj", "out_proj", "markov.w2", "conf.w", "rnn.wH",
-                           "rnn.wO", "gru.wJ"})
+  for (const char* name :
+       {"bb.0.q", "bb.1.down", "W_c", "tok_proj", "out_proj", "markov.w2", "conf.w", "rnn.wH", "rnn.wO", "gru.wJ"})
     EXPECT_TRUE(drafter_parameter_decays(name, {4, 4})) << name;
   for (const char* name : {"markov.w1", "mask_emb", "block_pos"})
     EXPECT_FALSE(drafter_parameter_decays(name, {4, 4})) << name;
@@ -139,7 +139,7 @@ TEST(LearningRateSchedule, WarmsUpLinearlyThenFollowsTheCosine) {
   EXPECT_DOUBLE_EQ(schedule.at(0), 0.25e-3);
   EXPECT_DOUBLE_EQ(schedule.at(1), 0.5e-3);
   EXPECT_DOUBLE_EQ(schedule.at(3), 1e-3);
-  EXPECT_DOUBLE_EQ(schedule.at(4), 1e-3);                      // the cosine starts at the peak
+  EXPECT_DOUBLE_EQ(schedule.at(4), 1e-3);                        // the cosine starts at the peak
   EXPECT_NEAR(schedule.at(9), 1e-3 * (0.1 + 0.9 * 0.5), 1e-15);  // halfway: the mean of peak and floor
   // Step s is (s - 4)/10 of the way through the cosine.
   EXPECT_NEAR(schedule.at(10), 1e-3 * (0.1 + 0.9 * 0.5 * (1 + std::cos(std::numbers::pi * 0.6))), 1e-15);

@@ -35,8 +35,8 @@ const Transformer& golden_target() {
 std::vector<RegenPrompt> golden_prompts(bool chat = false) {
   const Tokenizer tokenizer = Tokenizer::load(golden_model("qwen3"));
   std::vector<PromptEntry> entries;
-  const char* texts[] = {"def fibonacci(n):", "The cat sat", "hello world, hello", "1 2 3 4 5", "import numpy as",
-                         "Once upon a time there was"};
+  const char* texts[] = {"def fibonacci(n):", "The cat sat",     "hello world, hello",
+                         "1 2 3 4 5",         "import numpy as", "Once upon a time there was"};
   for (int i = 0; i < 6; ++i) entries.push_back({i + 1, texts[i], {}});
   return tokenize_regen_prompts(tokenizer, entries, chat, golden_target().config, "prompts");
 }
@@ -196,16 +196,20 @@ TEST(CliRegen, BadPromptLinesAreReportedAndSkipped) {
   for (int i = 0; i < 300; ++i) long_prompt += "word" + std::to_string(i) + " ";
   {
     std::ofstream out(prompts);
-    out << R"({"prompt": "The cat sat"})" << "\n"
-        << "this is not json\n"
-        << R"({"text": "no prompt field"})" << "\n"
-        << R"({"prompt": ")" << long_prompt << R"("})" << "\n"
+    out << R"({"prompt": "The cat sat"})"
         << "\n"
-        << R"({"messages": [{"role": "user", "content": "hello"}]})" << "\n";
+        << "this is not json\n"
+        << R"({"text": "no prompt field"})"
+        << "\n"
+        << R"({"prompt": ")" << long_prompt << R"("})"
+        << "\n"
+        << "\n"
+        << R"({"messages": [{"role": "user", "content": "hello"}]})"
+        << "\n";
   }
   const std::filesystem::path data = directory.path / "data";
-  const auto result = run_dspark({"regen", "--prompts", prompts.string(), "-o", data.string(), "-n", "4",
-                                  "--device", "cpu", "--tap-layers", "2,4"});
+  const auto result = run_dspark({"regen", "--prompts", prompts.string(), "-o", data.string(), "-n", "4", "--device",
+                                  "cpu", "--tap-layers", "2,4"});
   ASSERT_EQ(result.exit_code, 0) << result.err;
   for (const char* line : {"prompts.jsonl:2 skipped", "prompts.jsonl:3 skipped", "prompts.jsonl:4 skipped"})
     EXPECT_NE(result.err.find(line), std::string::npos) << line << " not in: " << result.err;
@@ -216,8 +220,8 @@ TEST(CliRegen, BadPromptLinesAreReportedAndSkipped) {
   EXPECT_EQ(dataset.manifest().tap_layers, (std::vector<int>{2, 4}));
   EXPECT_EQ(dataset.manifest().target_id, "qwen3");
   // Rerunning a complete run does nothing and says so.
-  const auto again = run_dspark({"regen", "--prompts", prompts.string(), "-o", data.string(), "-n", "4",
-                                 "--device", "cpu", "--tap-layers", "2,4"});
+  const auto again = run_dspark({"regen", "--prompts", prompts.string(), "-o", data.string(), "-n", "4", "--device",
+                                 "cpu", "--tap-layers", "2,4"});
   ASSERT_EQ(again.exit_code, 0) << again.err;
   EXPECT_NE(again.out.find("already complete"), std::string::npos) << again.out;
 }

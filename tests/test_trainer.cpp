@@ -31,8 +31,9 @@ const Transformer& golden_target() {
 
 TargetHead golden_head() { return target_head_of(golden_target()); }
 
-const char* const kPrompts[] = {"def fibonacci(n):", "The cat sat", "hello world, hello", "1 2 3 4 5",
-                                "import numpy as", "Once upon a time there was", "x = [", "for i in range("};
+const char* const kPrompts[] = {
+    "def fibonacci(n):",          "The cat sat", "hello world, hello", "1 2 3 4 5", "import numpy as",
+    "Once upon a time there was", "x = [",       "for i in range("};
 
 // Eight sampled answers of 24 tokens, regenerated once for every test here.
 const std::filesystem::path& tiny_data() {
@@ -221,27 +222,28 @@ TEST(Trainer, RefusesToOverwriteOrToResumeWithOtherSettings) {
   TemporaryDirectory output;
   Drafter drafter = tiny_drafter();
   train_drafter(drafter, golden_head(), data, options, output.path, false);
-  EXPECT_NE(error_of([&] { train_drafter(drafter, golden_head(), data, options, output.path, false); })
-                .find("--resume"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { train_drafter(drafter, golden_head(), data, options, output.path, false); }).find("--resume"),
+      std::string::npos);
   TrainOptions other = options;
   other.learning_rate = 5e-3;
-  EXPECT_NE(error_of([&] { train_drafter(drafter, golden_head(), data, other, output.path, true); })
-                .find("learning_rate"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { train_drafter(drafter, golden_head(), data, other, output.path, true); }).find("learning_rate"),
+      std::string::npos);
   TemporaryDirectory empty;
-  EXPECT_NE(error_of([&] { train_drafter(drafter, golden_head(), data, options, empty.path, true); })
-                .find("nothing to resume"),
+  EXPECT_NE(error_of([&] {
+              train_drafter(drafter, golden_head(), data, options, empty.path, true);
+            }).find("nothing to resume"),
             std::string::npos);
 }
 
 TEST(CliTrain, TrainsStopsAndResumesToTheSameDrafter) {
   TemporaryDirectory directory;
   const std::string data = tiny_data().string();
-  const std::vector<std::string> common = {"train", "--data", data, "--iters", "6", "--batch", "4", "--gamma", "3",
-                                           "--d-draft", "16", "--layers", "1", "--heads", "2", "--markov-rank", "8",
-                                           "--max-ctx", "8", "--warmup", "2", "--eval-every", "3", "--holdout",
-                                           "0.2", "--eval-anchors", "8", "--seed", "4"};
+  const std::vector<std::string> common = {
+      "train", "--data",       data, "--iters",   "6",   "--batch",        "4", "--gamma",   "3", "--d-draft",
+      "16",    "--layers",     "1",  "--heads",   "2",   "--markov-rank",  "8", "--max-ctx", "8", "--warmup",
+      "2",     "--eval-every", "3",  "--holdout", "0.2", "--eval-anchors", "8", "--seed",    "4"};
   auto with = [&](std::vector<std::string> extra) {
     std::vector<std::string> arguments = common;
     arguments.insert(arguments.end(), extra.begin(), extra.end());
@@ -263,7 +265,8 @@ TEST(CliTrain, TrainsStopsAndResumesToTheSameDrafter) {
   ASSERT_EQ(rest.exit_code, 0) << rest.err;
   EXPECT_EQ(read_text_file(std::filesystem::path(straight) / "model.safetensors"),
             read_text_file(std::filesystem::path(resumed) / "model.safetensors"));
-  const auto conflicting = run_dspark({"train", "--data", data, "-o", resumed, "--iters", "8", "--resume", "--lr", "0.5"});
+  const auto conflicting =
+      run_dspark({"train", "--data", data, "-o", resumed, "--iters", "8", "--resume", "--lr", "0.5"});
   EXPECT_NE(conflicting.exit_code, 0);
   EXPECT_NE(conflicting.err.find("learning_rate"), std::string::npos) << conflicting.err;
   // The trained drafter drives speculative decoding.
@@ -281,8 +284,8 @@ TEST(CliTrain, RefusesDataForAnotherTargetAndCudaForNow) {
   const auto cuda = run_dspark({"train", "--data", data, "-o", (directory.path / "b").string(), "--device", "cuda"});
   EXPECT_NE(cuda.exit_code, 0);
   EXPECT_NE(cuda.err.find("not supported yet"), std::string::npos) << cuda.err;
-  const auto missing = run_dspark({"train", "--data", (directory.path / "none").string(), "-o",
-                                   (directory.path / "c").string()});
+  const auto missing =
+      run_dspark({"train", "--data", (directory.path / "none").string(), "-o", (directory.path / "c").string()});
   EXPECT_NE(missing.exit_code, 0);
   EXPECT_NE(missing.err.find("dspark regen"), std::string::npos) << missing.err;
 }

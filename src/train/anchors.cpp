@@ -51,9 +51,8 @@ void build_train_batch(const Dataset& data, std::span<const Anchor> anchors, int
   for (int a = 0; a < A; ++a) {
     const SequenceRecord& sequence = data.sequence(anchors[a].sequence);
     const int t = anchors[a].position, length = sequence.length;
-    DSPARK_CHECK(t >= sequence.prompt_length - 1 && t <= length - 2, "anchor ", t, " of sequence ",
-                 anchors[a].sequence, " is outside its response [", sequence.prompt_length - 1, ", ", length - 2,
-                 "]");
+    DSPARK_CHECK(t >= sequence.prompt_length - 1 && t <= length - 2, "anchor ", t, " of sequence ", anchors[a].sequence,
+                 " is outside its response [", sequence.prompt_length - 1, ", ", length - 2, "]");
     const int32_t* ids = data.ids(anchors[a].sequence);
     const uint16_t* rows = data.rows(anchors[a].sequence);
     const int first = t - batch.context_length(a);

@@ -110,8 +110,8 @@ Dataset::Dataset(const std::filesystem::path& data_directory) : manifest_(read_m
                  " runs past the end of ", manifest_.shards[sequence.shard].file);
     const int32_t* tokens = ids(i);
     for (int t = 0; t < sequence.length; ++t)
-      DSPARK_CHECK(tokens[t] >= 0 && tokens[t] < manifest_.vocab_size, "sequence ", i, " token ", t, " (",
-                   tokens[t], ") is outside the vocabulary of ", manifest_.vocab_size);
+      DSPARK_CHECK(tokens[t] >= 0 && tokens[t] < manifest_.vocab_size, "sequence ", i, " token ", t, " (", tokens[t],
+                   ") is outside the vocabulary of ", manifest_.vocab_size);
   }
 }
 

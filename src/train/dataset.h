@@ -41,10 +41,10 @@ struct ShardRecord {
 
 struct RegenManifest {
   std::string target_id;
-  std::vector<int> tap_layers;  // m taps; the last is the target's layer count L
-  int hidden_size = 0;          // H
-  int vocab_size = 0;           // V
-  int num_layers = 0;           // L
+  std::vector<int> tap_layers;       // m taps; the last is the target's layer count L
+  int hidden_size = 0;               // H
+  int vocab_size = 0;                // V
+  int num_layers = 0;                // L
   Json generation = Json::object();  // the settings the responses were made with (checked on resume)
   bool complete = false;             // every prompt has its sequence
   std::vector<ShardRecord> shards;
@@ -70,8 +70,8 @@ class Dataset {
   const RegenManifest& manifest() const { return manifest_; }
   int size() const { return static_cast<int>(manifest_.sequences.size()); }
   const SequenceRecord& sequence(int index) const { return manifest_.sequences[index]; }
-  int tap_width() const { return manifest_.tap_width(); }      // m·H
-  int hidden_size() const { return manifest_.hidden_size; }    // H
+  int tap_width() const { return manifest_.tap_width(); }    // m·H
+  int hidden_size() const { return manifest_.hidden_size; }  // H
 
   const int32_t* ids(int index) const;    // [length]
   const uint16_t* rows(int index) const;  // [length, m·H] bf16 bits

@@ -83,8 +83,8 @@ void check_same_data(const RegenManifest& existing, const RegenManifest& fresh, 
   const std::string where = (output / kManifestFile).string();
   DSPARK_CHECK(existing.target_id == fresh.target_id && existing.hidden_size == fresh.hidden_size &&
                    existing.vocab_size == fresh.vocab_size && existing.num_layers == fresh.num_layers,
-               where, ": the data there was made with target \"", existing.target_id, "\"; this is \"",
-               fresh.target_id, "\" (use a new output directory)");
+               where, ": the data there was made with target \"", existing.target_id, "\"; this is \"", fresh.target_id,
+               "\" (use a new output directory)");
   DSPARK_CHECK(existing.tap_layers == fresh.tap_layers, where,
                ": the data there taps other layers (use the same --tap-layers or a new output directory)");
   for (const auto& [key, value] : fresh.generation.items())
@@ -206,10 +206,10 @@ RegenSummary regenerate(Target& target, const std::string& target_id, std::span<
     }
     const long tokens = static_cast<long>(shard_ids.size());
     const std::string file = shard_name(shard);
-    write_safetensors(output / file,
-                      {{"ids", Dtype::I32, {tokens}, shard_ids.data()},
-                       {"rows", Dtype::BF16, {tokens, width}, shard_rows.data()}},
-                      {{"format", "dspark-regen"}, {"target_id", target_id}});
+    write_safetensors(
+        output / file,
+        {{"ids", Dtype::I32, {tokens}, shard_ids.data()}, {"rows", Dtype::BF16, {tokens, width}, shard_rows.data()}},
+        {{"format", "dspark-regen"}, {"target_id", target_id}});
     manifest.shards.push_back({file, static_cast<int>(records.size()), tokens});
     manifest.sequences.insert(manifest.sequences.end(), records.begin(), records.end());
     manifest.complete = next == prompts.size();

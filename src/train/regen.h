@@ -25,15 +25,15 @@
 namespace dspark {
 
 struct RegenOptions {
-  std::vector<int> tap_layers;     // m target tap indices; the last must be L
-  int max_new_tokens = 512;        // the longest response
-  cpu::SamplingParams sampling;    // how the target answers (greedy at T = 0)
-  bool chat = false;               // how the prompts were tokenized (recorded; checked on resume)
+  std::vector<int> tap_layers;   // m target tap indices; the last must be L
+  int max_new_tokens = 512;      // the longest response
+  cpu::SamplingParams sampling;  // how the target answers (greedy at T = 0)
+  bool chat = false;             // how the prompts were tokenized (recorded; checked on resume)
   uint64_t seed = 0;
-  int batch = 8;                   // prompts answered together (one forward per step for all of them)
-  long shard_bytes = 1L << 30;     // a shard is closed after the batch that brings its rows to this size
-  long forward_tokens = 8192;      // the most tokens in one tapped forward (a longer sequence runs alone)
-  int stop_after_shards = -1;      // for tests: return after writing this many shards, as if interrupted
+  int batch = 8;                // prompts answered together (one forward per step for all of them)
+  long shard_bytes = 1L << 30;  // a shard is closed after the batch that brings its rows to this size
+  long forward_tokens = 8192;   // the most tokens in one tapped forward (a longer sequence runs alone)
+  int stop_after_shards = -1;   // for tests: return after writing this many shards, as if interrupted
   bool show_progress = true;
 };
 

@@ -34,8 +34,12 @@ Json data_identity(const Dataset& data) {
 }
 
 Json terms_json(const LossTerms& terms) {
-  return {{"loss", terms.loss}, {"ce", terms.ce}, {"l1", terms.l1}, {"bce", terms.bce},
-          {"tau", terms.tau_estimate}, {"positions", terms.positions}};
+  return {{"loss", terms.loss},
+          {"ce", terms.ce},
+          {"l1", terms.l1},
+          {"bce", terms.bce},
+          {"tau", terms.tau_estimate},
+          {"positions", terms.positions}};
 }
 
 // Σ_a Σ_k w_k·mask: the weight of a batch's term means when averaging batches.
@@ -70,8 +74,7 @@ EvalResult evaluate(const Drafter& drafter, const TargetHead& head, const Datase
   double weight_total = 0.0;
   for (size_t first = 0; first < anchors.size(); first += options.batch) {
     const size_t count = std::min<size_t>(options.batch, anchors.size() - first);
-    build_train_batch(data, anchors.subspan(first, count), drafter.config.gamma, options.max_context,
-                      batch);
+    build_train_batch(data, anchors.subspan(first, count), drafter.config.gamma, options.max_context, batch);
     const LossTerms terms = drafter_loss(drafter, head, batch, options.loss, nullptr, workspace);
     const double weight = position_weight(batch, options.loss);
     result.terms.loss += terms.loss * weight;
@@ -247,12 +250,14 @@ Json read_training_state(const std::filesystem::path& output) {
 TrainSummary train_drafter(Drafter& drafter, const TargetHead& head, const Dataset& data, const TrainOptions& options,
                            const std::filesystem::path& output, bool resume) {
   const auto start_time = Clock::now();
-  DSPARK_CHECK(options.iterations >= 1 && options.batch >= 1 && options.max_context >= 1 &&
-                   options.eval_anchors >= 1 && options.warmup >= 0,
+  DSPARK_CHECK(options.iterations >= 1 && options.batch >= 1 && options.max_context >= 1 && options.eval_anchors >= 1 &&
+                   options.warmup >= 0,
                "training needs iterations, batch, max context and eval anchors >= 1 and warmup >= 0");
-  DSPARK_CHECK(options.learning_rate > 0 && options.clip_norm > 0, "training needs a positive learning rate and clip norm");
-  DSPARK_CHECK(drafter.dims.hidden_size == data.hidden_size() && drafter.config.tap_layers == data.manifest().tap_layers,
-               "the drafter's hidden size and tap layers must be the data's (", data.hidden_size(), ")");
+  DSPARK_CHECK(options.learning_rate > 0 && options.clip_norm > 0,
+               "training needs a positive learning rate and clip norm");
+  DSPARK_CHECK(
+      drafter.dims.hidden_size == data.hidden_size() && drafter.config.tap_layers == data.manifest().tap_layers,
+      "the drafter's hidden size and tap layers must be the data's (", data.hidden_size(), ")");
   DSPARK_CHECK(drafter.dims.vocab_size == data.manifest().vocab_size, "the drafter's vocabulary (",
                drafter.dims.vocab_size, ") is not the data's (", data.manifest().vocab_size, ")");
 
@@ -275,8 +280,7 @@ TrainSummary train_drafter(Drafter& drafter, const TargetHead& head, const Datas
   const Json existing = read_training_state(output);
   long step = 0;
   if (resume) {
-    DSPARK_CHECK(!existing.is_null(), "nothing to resume: ", (output / kTrainingStateFile).string(),
-                 " does not exist");
+    DSPARK_CHECK(!existing.is_null(), "nothing to resume: ", (output / kTrainingStateFile).string(), " does not exist");
     const Json stored = existing.value("options", Json::object()), given = train_options_to_json(options);
     for (const auto& [key, value] : given.items())
       DSPARK_CHECK(stored.contains(key) && stored[key] == value, "--resume: ", key, " is ", value.dump(),
@@ -296,8 +300,10 @@ TrainSummary train_drafter(Drafter& drafter, const TargetHead& head, const Datas
   summary.start_step = step;
   summary.evaluated = !eval_anchors.empty();
   if (!summary.evaluated)
-    std::fprintf(stderr, "warning: no held-out sequences (%d in the data): tau^ is not evaluated and best/ is not "
-                         "written\n", data.size());
+    std::fprintf(stderr,
+                 "warning: no held-out sequences (%d in the data): tau^ is not evaluated and best/ is not "
+                 "written\n",
+                 data.size());
 
   LogWriter log(output / kTrainLogFile);
   TrainBatch batch;

@@ -34,14 +34,14 @@
 namespace dspark {
 
 struct TrainOptions {
-  long iterations = 1000;           // optimizer steps in all (the schedule's length)
-  int batch = 16;                   // anchors per step
-  int max_context = 1024;           // context rows per anchor: [max(0, t - max_context), t)
-  double learning_rate = 3e-4;      // the schedule's peak
-  long warmup = 100;                // linear warmup steps
-  double final_lr_fraction = 0.1;   // the cosine ends at this fraction of the peak
+  long iterations = 1000;          // optimizer steps in all (the schedule's length)
+  int batch = 16;                  // anchors per step
+  int max_context = 1024;          // context rows per anchor: [max(0, t - max_context), t)
+  double learning_rate = 3e-4;     // the schedule's peak
+  long warmup = 100;               // linear warmup steps
+  double final_lr_fraction = 0.1;  // the cosine ends at this fraction of the peak
   AdamWOptions adamw;
-  double clip_norm = 1.0;           // global gradient norm clip
+  double clip_norm = 1.0;  // global gradient norm clip
   LossWeights loss;
   uint64_t seed = 0;                // the sampler's seed (the drafter's init seed is the caller's)
   double held_out_fraction = 0.05;  // sequences kept out of training for evaluation
@@ -49,7 +49,7 @@ struct TrainOptions {
   long eval_every = 100;            // 0: evaluate only at the start and the end
   long save_every = 500;            // 0: checkpoint only at the end
   bool show_progress = true;
-  long stop_after = -1;                // for tests: stop after this step, checkpointing, as an interruption would
+  long stop_after = -1;               // for tests: stop after this step, checkpointing, as an interruption would
   std::function<bool()> interrupted;  // polled after every step (e.g. SIGINT): checkpoint and stop
 };
 
@@ -72,11 +72,11 @@ EvalResult evaluate_drafter(const Drafter& drafter, const TargetHead& head, cons
                             std::span<const Anchor> anchors, const TrainOptions& options);
 
 struct TrainSummary {
-  long start_step = 0;     // where this call began (> 0 when resumed)
-  long steps = 0;          // completed steps when it returned
-  bool finished = false;   // steps == iterations
-  LossTerms last_train;    // the last step's batch
-  EvalResult first_eval;   // at start_step (the untrained drafter when starting fresh)
+  long start_step = 0;    // where this call began (> 0 when resumed)
+  long steps = 0;         // completed steps when it returned
+  bool finished = false;  // steps == iterations
+  LossTerms last_train;   // the last step's batch
+  EvalResult first_eval;  // at start_step (the untrained drafter when starting fresh)
   EvalResult last_eval;
   bool evaluated = false;  // there is held-out data
   double best_tau = 0.0;   // best held-out τ̂, and the step it was reached at
