@@ -23,5 +23,7 @@ void add_generate_command(CLI::App& app);
 void add_perplexity_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
 void add_draft_init_command(CLI::App& app);
+void add_regen_command(CLI::App& app);
+void add_train_command(CLI::App& app);
 
 }  // namespace dspark::cli

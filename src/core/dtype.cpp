@@ -10,7 +10,8 @@ Dtype dtype_from_name(std::string_view name, const std::string& where) {
   if (name == "F32") return Dtype::F32;
   if (name == "BF16") return Dtype::BF16;
   if (name == "F16") return Dtype::F16;
-  fail(where, ": unsupported dtype \"", name, "\" (supported: F32, BF16, F16)");
+  if (name == "I32") return Dtype::I32;
+  fail(where, ": unsupported dtype \"", name, "\" (supported: F32, BF16, F16, I32)");
 }
 
 const char* dtype_name(Dtype dtype) {
@@ -18,11 +19,12 @@ const char* dtype_name(Dtype dtype) {
     case Dtype::F32: return "F32";
     case Dtype::BF16: return "BF16";
     case Dtype::F16: return "F16";
+    case Dtype::I32: return "I32";
   }
   return "?";
 }
 
-size_t dtype_size(Dtype dtype) { return dtype == Dtype::F32 ? 4 : 2; }
+size_t dtype_size(Dtype dtype) { return dtype == Dtype::F32 || dtype == Dtype::I32 ? 4 : 2; }
 
 float f16_to_f32(uint16_t bits) {
   uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16;
@@ -73,6 +75,11 @@ void convert_to_f32(Dtype dtype, const void* source, float* destination, size_t 
     case Dtype::F16: {
       const uint16_t* half = static_cast<const uint16_t*>(source);
       for (size_t i = 0; i < count; ++i) destination[i] = f16_to_f32(half[i]);
+      return;
+    }
+    case Dtype::I32: {
+      const int32_t* integers = static_cast<const int32_t*>(source);
+      for (size_t i = 0; i < count; ++i) destination[i] = static_cast<float>(integers[i]);
       return;
     }
   }

@@ -8,9 +8,9 @@
 
 namespace dspark {
 
-enum class Dtype { F32, BF16, F16 };
+enum class Dtype { F32, BF16, F16, I32 };  // I32: token ids (regenerated training data)
 
-// "F32" | "BF16" | "F16" (safetensors spelling); anything else is an Error
+// "F32" | "BF16" | "F16" | "I32" (safetensors spelling); anything else is an Error
 // naming `where`.
 Dtype dtype_from_name(std::string_view name, const std::string& where);
 const char* dtype_name(Dtype dtype);
@@ -34,7 +34,7 @@ inline uint16_t f32_to_bf16(float value) {
 float f16_to_f32(uint16_t bits);
 uint16_t f32_to_f16(float value);
 
-// Converts `count` elements stored as `dtype` at `source` to f32.
+// Converts `count` elements stored as `dtype` at `source` to f32 (I32 by value).
 void convert_to_f32(Dtype dtype, const void* source, float* destination, size_t count);
 
 }  // namespace dspark
