@@ -246,5 +246,83 @@ TEST(CalibrationDraftLoop, TemperaturesScaleTheLogitAndThresholdsReadTheCalibrat
   for (int k = 0; k < gamma; ++k) EXPECT_NEAR(calibrated[0].confidence[k], expected[k], 1e-5) << k;
 }
 
+// The prompts the CLI tests decode.
+std::filesystem::path write_prompts(const std::filesystem::path& directory) {
+  const auto path = directory / "prompts.jsonl";
+  write_text_file_atomic(path,
+                         "{\"prompt\": \"def f(x):\\n    return x\\n\\ndef f(x):\"}\n"
+                         "{\"prompt\": \"import os\\nimport sys\\nimport os\\nimport\"}\n"
+                         "{\"prompt\": \"hello world hello world hello\"}\n"
+                         "{\"messages\": [{\"role\": \"user\", \"content\": \"Count to ten.\"}]}\n");
+  return path;
+}
+
+bool is_png(const std::string& bytes) { return bytes.size() > 5000 && bytes.substr(0, 8) == "\x89PNG\r\n\x1a\n"; }
+
+TEST(CliCalibrate, WritesConfigStsPreservingEveryOtherFieldAndAPlot) {
+  TemporaryDirectory directory;
+  const auto drafter_directory = directory.path / "drafter";
+  const ModelConfig target = load_model_config(testing::golden_model("qwen3"));
+  Drafter drafter = small_random_drafter(target, 4);
+  drafter.metadata = {{"training", {{"steps", 77}}}, {"config", {{"note", "survives"}}}};
+  save_drafter(drafter, drafter_directory, Dtype::BF16);
+  const Json before = read_json_file(drafter_directory / "dspark.json");
+  const std::string weights = read_text_file(drafter_directory / "model.safetensors");
+  const auto plot = directory.path / "reliability.png";
+  const auto result = testing::run_dspark(
+      {"calibrate", "-m", testing::golden_model("qwen3").string(), "-d", drafter_directory.string(), "--prompts",
+       write_prompts(directory.path).string(), "-n", "24", "--temperature", "1", "--target-precision", "0.6",
+       "--plot", plot.string(), "--json"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  const Json out = Json::parse(result.out);
+  EXPECT_GT(out["rounds"].get<long>(), 50);
+  for (const char* when : {"before", "after"}) {
+    EXPECT_GE(out[when]["ece"].get<double>(), 0.0);
+    EXPECT_TRUE(out[when].contains("auroc"));
+  }
+  ASSERT_EQ(out["positions"].size(), 4u);
+
+  Json after = read_json_file(drafter_directory / "dspark.json");
+  const Json sts = after["config"]["sts"];
+  EXPECT_EQ(sts["thresholds"].size(), 4u);
+  EXPECT_EQ(sts["thresholds"][0], 0.0);  // position 0 is never pruned
+  EXPECT_EQ(sts["temperatures"], out["temperatures"]);
+  EXPECT_EQ(sts["thresholds"], out["thresholds"]);
+  EXPECT_NEAR(sts["target"].get<double>(), 0.6, 1e-6);
+  EXPECT_EQ(sts["samples"], out["rounds"]);
+  after["config"].erase("sts");
+  EXPECT_EQ(after, before);
+  EXPECT_EQ(read_text_file(drafter_directory / "model.safetensors"), weights);
+  const Drafter loaded = load_drafter(drafter_directory);
+  ASSERT_TRUE(loaded.config.sts.has_value());
+  EXPECT_EQ(loaded.config.sts->temperatures.size(), 4u);
+  EXPECT_TRUE(is_png(read_text_file(plot)));
+
+  // Calibrating again refits from raw confidences: the same data, the same fit.
+  const auto again = testing::run_dspark(
+      {"calibrate", "-m", testing::golden_model("qwen3").string(), "-d", drafter_directory.string(), "--prompts",
+       write_prompts(directory.path).string(), "-n", "24", "--temperature", "1", "--target-precision", "0.6",
+       "--json"});
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_EQ(Json::parse(again.out)["temperatures"], out["temperatures"]);
+}
+
+TEST(CliCalibrate, RefusesWhatItCannotCalibrate) {
+  TemporaryDirectory directory;
+  const auto prompts = write_prompts(directory.path);
+  for (const auto& [arguments, fragment] :
+       std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"-d", "ngram", "--prompts", prompts.string()}, "no confidences"},
+           {{"-d", (directory.path / "none").string(), "--prompts", prompts.string()}, "not a drafter directory"},
+           {{"-d", directory.path.string(), "--prompts", (directory.path / "none.jsonl").string()}, "cannot read"}}) {
+    std::vector<std::string> command = {"calibrate", "-m", testing::golden_model("qwen3").string()};
+    command.insert(command.end(), arguments.begin(), arguments.end());
+    const auto result = testing::run_dspark(command);
+    EXPECT_EQ(result.exit_code, 1) << result.err;
+    EXPECT_EQ(result.err.rfind("error: ", 0), 0u) << result.err;
+    EXPECT_NE(result.err.find(fragment), std::string::npos) << result.err;
+  }
+}
+
 }  // namespace
 }  // namespace dspark

@@ -5,9 +5,12 @@
 
 #include <cstdlib>
 
+#include "cli_runner.h"
 #include "core/file.h"
 #include "golden.h"
 #include "model/cpu_target.h"
+#include "random_drafter.h"
+#include "spec/drafter.h"
 #include "spec/scheduler.h"
 
 namespace dspark {
@@ -144,6 +147,72 @@ TEST(SpsProfile, DefaultCachePathFollowsTheEnvironment) {
   EXPECT_EQ(default_sps_cache_path().parent_path().filename(), "dspark");
   if (saved_dspark) ::setenv("DSPARK_CACHE_DIR", dspark_value.c_str(), 1);
   if (saved_xdg) ::setenv("XDG_CACHE_HOME", xdg_value.c_str(), 1);
+}
+
+// bench spec with the schedules: a sweep over batch sizes prints every
+// schedule beside plain decoding (greedy outputs identical throughout), draws
+// the PNG, and caches Alg 1's SPS profile where it was told to.
+TEST(CliBenchSpec, SweepsBatchSizesAndSchedulesAndPlotsThroughput) {
+  TemporaryDirectory directory;
+  const ModelConfig target = load_model_config(testing::golden_model("qwen3"));
+  DrafterConfig config;
+  config.gamma = 4, config.d_draft = 32, config.num_layers = 1, config.num_heads = 4, config.markov_rank = 8;
+  config.tap_layers = default_tap_layers(target.num_layers);
+  Drafter drafter = init_drafter(config, {target.hidden_size, target.vocab_size, target.rms_norm_eps}, "qwen3", 3);
+  testing::randomize_parameters(drafter, 41, 3.0f);
+  drafter.config.sts = StsCalibration{{0.0f, 0.3f, 0.3f, 0.3f}, {1.0f, 1.0f, 1.0f, 1.0f}, 0.5f, 100};
+  save_drafter(drafter, directory.path / "drafter");
+  const auto prompts = directory.path / "prompts.jsonl";
+  write_text_file_atomic(prompts, "{\"prompt\": \"def f(x):\\n    return x\\n\\ndef f(x):\"}\n"
+                                  "{\"prompt\": \"hello world hello world hello\"}\n");
+  const auto plot = directory.path / "sweep.png";
+  const auto cache = directory.path / "cache" / "sps.json";
+  const std::vector<std::string> common = {"bench", "spec", "-m", testing::golden_model("qwen3").string(), "-d",
+                                           (directory.path / "drafter").string(), "--prompts", prompts.string(),
+                                           "-n", "12", "--sps-cache", cache.string(), "--json"};
+  std::vector<std::string> sweep = common;
+  sweep.insert(sweep.end(), {"--batch", "1,2,4", "--plot", plot.string()});
+  const auto result = testing::run_dspark(sweep);
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  const Json out = Json::parse(result.out);
+  EXPECT_EQ(out["schedules"], Json({"off", "threshold", "alg1"}));
+  ASSERT_EQ(out["points"].size(), 3u);
+  for (const Json& point : out["points"]) {
+    EXPECT_GT(point["plain_tokens_per_s"].get<double>(), 0.0);
+    EXPECT_EQ(point["requests"].get<int>(), std::max(2, point["batch"].get<int>()));  // prompts repeated to fill
+    for (const char* schedule : {"off", "threshold", "alg1"}) {
+      const Json& mode = point["schedules"][schedule];
+      EXPECT_TRUE(mode["all_outputs_match"].get<bool>()) << schedule << " at batch " << point["batch"];
+      EXPECT_GT(mode["tokens_per_s"].get<double>(), 0.0);
+    }
+    // off verifies every proposal; threshold and alg1 verify no more than off proposes.
+    EXPECT_DOUBLE_EQ(point["schedules"]["off"]["verified_per_round"].get<double>(),
+                     point["schedules"]["off"]["proposed_per_round"].get<double>());
+    EXPECT_LE(point["schedules"]["alg1"]["verified_per_round"].get<double>(),
+              point["schedules"]["alg1"]["proposed_per_round"].get<double>());
+  }
+  const std::string png = read_text_file(plot);
+  EXPECT_EQ(png.substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8));
+  EXPECT_GT(png.size(), 5000u);
+  ASSERT_TRUE(std::filesystem::exists(cache));
+  EXPECT_EQ(read_json_file(cache)["profiles"].size(), 1u);
+
+  // One batch size and one schedule: the single-run report, the cached profile reused.
+  std::vector<std::string> single = common;
+  single.insert(single.end(), {"--batch", "2", "--schedule", "alg1"});
+  const auto one = testing::run_dspark(single);
+  ASSERT_EQ(one.exit_code, 0) << one.err;
+  const Json report = Json::parse(one.out);
+  EXPECT_EQ(report["schedule"], "alg1");
+  EXPECT_TRUE(report["all_outputs_match"].get<bool>());
+  EXPECT_NE(report["sps_profile"].get<std::string>().find("read from"), std::string::npos);
+
+  std::vector<std::string> both = common;
+  both.insert(both.end(), {"--sweep", "--batch", "2"});
+  EXPECT_NE(testing::run_dspark(both).exit_code, 0);  // --sweep is its own list of batch sizes
+  std::vector<std::string> unknown = common;
+  unknown.insert(unknown.end(), {"--schedule", "fastest"});
+  EXPECT_NE(testing::run_dspark(unknown).exit_code, 0);
 }
 
 }  // namespace

@@ -23,5 +23,6 @@ void add_generate_command(CLI::App& app);
 void add_perplexity_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
 void add_draft_init_command(CLI::App& app);
+void add_calibrate_command(CLI::App& app);
 
 }  // namespace dspark::cli
