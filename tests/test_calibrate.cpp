@@ -101,7 +101,7 @@ TEST(CalibrationSts, RecoversAKnownMiscalibration) {
   const double ece_before = expected_calibration_error(before.predicted, before.survived);
   const double ece_after = expected_calibration_error(after.predicted, after.survived);
   EXPECT_GT(ece_before, 0.04) << ece_before;  // 0.062 here
-  EXPECT_LT(ece_after, 0.01) << ece_after;  // 0.0020 to 0.0035 over seeds 1..10
+  EXPECT_LT(ece_after, 0.01) << ece_after;    // 0.0020 to 0.0035 over seeds 1..10
   // No worse than the true temperatures by more than sampling noise.
   EXPECT_LT(ece_after, expected_calibration_error(ideal.predicted, ideal.survived) + 0.003);
 }
@@ -157,7 +157,7 @@ TEST(CalibrationThresholds, FollowTheLaplaceRuleExactly) {
 TEST(CalibrationThresholds, UnderFiftySamplesNoPruning) {
   const std::vector<float> unit = {1.0f, 1.0f};
   std::vector<CalibrationRound> rounds;
-  add_rounds(rounds, 49, 0.3f, 1);  // 49 rejections: precision 1/51
+  add_rounds(rounds, 49, 0.3f, 1);   // 49 rejections: precision 1/51
   add_rounds(rounds, 500, 0.3f, 0);  // many rounds, but none reached position 1
   EXPECT_EQ(fit_thresholds(rounds, unit, 2, 0.5)[1], 0.0f);
   add_rounds(rounds, 1, 0.3f, 1);  // the 50th reached round: the rule applies
@@ -203,8 +203,9 @@ TEST(CalibrationCheckpoint, WritesOnlyConfigSts) {
   EXPECT_EQ(loaded.config.sts->thresholds, calibration.thresholds);
   EXPECT_EQ(loaded.config.sts->temperatures, calibration.temperatures);
   EXPECT_FLOAT_EQ(loaded.config.sts->target, 0.6f);
-  EXPECT_NE(testing::error_of([&] { write_calibration(directory.path, {{0.0f}, {1.0f}, 0.5f, 1}); })
-                .find("1 positions for gamma 3"),
+  EXPECT_NE(testing::error_of([&] {
+              write_calibration(directory.path, {{0.0f}, {1.0f}, 0.5f, 1});
+            }).find("1 positions for gamma 3"),
             std::string::npos);
 }
 
@@ -269,10 +270,10 @@ TEST(CliCalibrate, WritesConfigStsPreservingEveryOtherFieldAndAPlot) {
   const Json before = read_json_file(drafter_directory / "dspark.json");
   const std::string weights = read_text_file(drafter_directory / "model.safetensors");
   const auto plot = directory.path / "reliability.png";
-  const auto result = testing::run_dspark(
-      {"calibrate", "-m", testing::golden_model("qwen3").string(), "-d", drafter_directory.string(), "--prompts",
-       write_prompts(directory.path).string(), "-n", "24", "--temperature", "1", "--target-precision", "0.6",
-       "--plot", plot.string(), "--json"});
+  const auto result =
+      testing::run_dspark({"calibrate", "-m", testing::golden_model("qwen3").string(), "-d", drafter_directory.string(),
+                           "--prompts", write_prompts(directory.path).string(), "-n", "24", "--temperature", "1",
+                           "--target-precision", "0.6", "--plot", plot.string(), "--json"});
   ASSERT_EQ(result.exit_code, 0) << result.err;
   const Json out = Json::parse(result.out);
   EXPECT_GT(out["rounds"].get<long>(), 50);
@@ -299,10 +300,10 @@ TEST(CliCalibrate, WritesConfigStsPreservingEveryOtherFieldAndAPlot) {
   EXPECT_TRUE(is_png(read_text_file(plot)));
 
   // Calibrating again refits from raw confidences: the same data, the same fit.
-  const auto again = testing::run_dspark(
-      {"calibrate", "-m", testing::golden_model("qwen3").string(), "-d", drafter_directory.string(), "--prompts",
-       write_prompts(directory.path).string(), "-n", "24", "--temperature", "1", "--target-precision", "0.6",
-       "--json"});
+  const auto again =
+      testing::run_dspark({"calibrate", "-m", testing::golden_model("qwen3").string(), "-d", drafter_directory.string(),
+                           "--prompts", write_prompts(directory.path).string(), "-n", "24", "--temperature", "1",
+                           "--target-precision", "0.6", "--json"});
   ASSERT_EQ(again.exit_code, 0) << again.err;
   EXPECT_EQ(Json::parse(again.out)["temperatures"], out["temperatures"]);
 }
@@ -310,8 +311,7 @@ TEST(CliCalibrate, WritesConfigStsPreservingEveryOtherFieldAndAPlot) {
 TEST(CliCalibrate, RefusesWhatItCannotCalibrate) {
   TemporaryDirectory directory;
   const auto prompts = write_prompts(directory.path);
-  for (const auto& [arguments, fragment] :
-       std::vector<std::pair<std::vector<std::string>, std::string>>{
+  for (const auto& [arguments, fragment] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"-d", "ngram", "--prompts", prompts.string()}, "no confidences"},
            {{"-d", (directory.path / "none").string(), "--prompts", prompts.string()}, "not a drafter directory"},
            {{"-d", directory.path.string(), "--prompts", (directory.path / "none.jsonl").string()}, "cannot read"}}) {

@@ -77,13 +77,13 @@ TEST(Plot, BadInputIsAnErrorAndLeavesNoFile) {
   PlotSeries negative{"n", {0.0, 1.0}, {1.0, 2.0}};
   PlotOptions log;
   log.log_x = true;
-  EXPECT_NE(error_of([&] { write_line_plot(directory.path / "p.png", "t", "x", "y", {negative}, log); })
-                .find("log axis"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { write_line_plot(directory.path / "p.png", "t", "x", "y", {negative}, log); }).find("log axis"),
+      std::string::npos);
   PlotSeries mismatched{"m", {0.0, 1.0}, {1.0}};
-  EXPECT_NE(error_of([&] { write_line_plot(directory.path / "p.png", "t", "x", "y", {mismatched}); })
-                .find("1 y values"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { write_line_plot(directory.path / "p.png", "t", "x", "y", {mismatched}); }).find("1 y values"),
+      std::string::npos);
   EXPECT_TRUE(std::filesystem::is_empty(directory.path));
 }
 

@@ -25,17 +25,18 @@ TEST(SpsProfile, InterpolatesStepTimeAndExtrapolatesPastTheLastPoint) {
   // Step times 10 ms at B = 1, 20 ms at B = 5, 30 ms at B = 9.
   const SpsProfile sps = profile({1, 5, 9}, {100.0, 50.0, 1000.0 / 30});
   EXPECT_DOUBLE_EQ(sps.at(1), 100.0);
-  EXPECT_DOUBLE_EQ(sps.at(0), 100.0);                  // below the first point: the first
-  EXPECT_NEAR(sps.at(3), 1000.0 / 15, 1e-9);           // halfway: 15 ms
-  EXPECT_NEAR(sps.at(8), 1000.0 / 27.5, 1e-9);         // 20 + 3/4 * 10 ms
-  EXPECT_NEAR(sps.at(13), 1000.0 / 40, 1e-9);          // past the end: 2.5 ms more per token
+  EXPECT_DOUBLE_EQ(sps.at(0), 100.0);           // below the first point: the first
+  EXPECT_NEAR(sps.at(3), 1000.0 / 15, 1e-9);    // halfway: 15 ms
+  EXPECT_NEAR(sps.at(8), 1000.0 / 27.5, 1e-9);  // 20 + 3/4 * 10 ms
+  EXPECT_NEAR(sps.at(13), 1000.0 / 40, 1e-9);   // past the end: 2.5 ms more per token
   const SpsProfile flat_end = profile({1, 4}, {100.0, 100.0});
   EXPECT_DOUBLE_EQ(flat_end.at(100), 100.0);
   const SpsProfile round_trip = SpsProfile::from_json(sps.to_json(), "test");
   EXPECT_EQ(round_trip.tokens, sps.tokens);
   EXPECT_EQ(round_trip.steps_per_second, sps.steps_per_second);
-  EXPECT_NE(testing::error_of([] { SpsProfile::from_json(Json{{"tokens", {1, 1}}, {"steps_per_second", {1, 1}}}, "x"); })
-                .find("ascending"),
+  EXPECT_NE(testing::error_of([] {
+              SpsProfile::from_json(Json{{"tokens", {1, 1}}, {"steps_per_second", {1, 1}}}, "x");
+            }).find("ascending"),
             std::string::npos);
 }
 
@@ -163,13 +164,18 @@ TEST(CliBenchSpec, SweepsBatchSizesAndSchedulesAndPlotsThroughput) {
   drafter.config.sts = StsCalibration{{0.0f, 0.3f, 0.3f, 0.3f}, {1.0f, 1.0f, 1.0f, 1.0f}, 0.5f, 100};
   save_drafter(drafter, directory.path / "drafter");
   const auto prompts = directory.path / "prompts.jsonl";
-  write_text_file_atomic(prompts, "{\"prompt\": \"def f(x):\\n    return x\\n\\ndef f(x):\"}\n"
-                                  "{\"prompt\": \"hello world hello world hello\"}\n");
+  write_text_file_atomic(prompts,
+                         "{\"prompt\": \"def f(x):\\n    return x\\n\\ndef f(x):\"}\n"
+                         "{\"prompt\": \"hello world hello world hello\"}\n");
   const auto plot = directory.path / "sweep.png";
   const auto cache = directory.path / "cache" / "sps.json";
-  const std::vector<std::string> common = {"bench", "spec", "-m", testing::golden_model("qwen3").string(), "-d",
-                                           (directory.path / "drafter").string(), "--prompts", prompts.string(),
-                                           "-n", "12", "--sps-cache", cache.string(), "--json"};
+  const std::vector<std::string> common = {"bench",       "spec",
+                                           "-m",          testing::golden_model("qwen3").string(),
+                                           "-d",          (directory.path / "drafter").string(),
+                                           "--prompts",   prompts.string(),
+                                           "-n",          "12",
+                                           "--sps-cache", cache.string(),
+                                           "--json"};
   std::vector<std::string> sweep = common;
   sweep.insert(sweep.end(), {"--batch", "1,2,4", "--plot", plot.string()});
   const auto result = testing::run_dspark(sweep);

@@ -501,7 +501,8 @@ class NoEarlyStopScheduler final : public VerifyScheduler {
     size_t best = 0;
     for (size_t i = 0; i < walk.size(); ++i) {
       expected -= std::get<0>(walk[i]);
-      if (expected * sps_.at(rows + int(i) + 1) > best_rate) best_rate = expected * sps_.at(rows + int(i) + 1), best = i + 1;
+      const double rate = expected * sps_.at(rows + int(i) + 1);
+      if (rate > best_rate) best_rate = rate, best = i + 1;
     }
     verify.assign(rows, 0);
     for (size_t i = 0; i < best; ++i) verify[std::get<2>(walk[i])] = std::get<1>(walk[i]) + 1;

@@ -249,7 +249,8 @@ void run_bench_spec(const BenchSpecFlags& flags) {
     SpsProfileOptions profile_options;
     profile_options.max_tokens = *std::max_element(batches.begin(), batches.end()) * (gamma + 1);
     profile_options.taps = source.source->tap_layers();
-    const std::filesystem::path cache = flags.sps_cache.empty() ? default_sps_cache_path() : std::filesystem::path(flags.sps_cache);
+    const std::filesystem::path cache =
+        flags.sps_cache.empty() ? default_sps_cache_path() : std::filesystem::path(flags.sps_cache);
     bool measured = false;
     scheduler = std::make_unique<PrefixScheduler>(
         cached_sps_profile(*target, std::filesystem::weakly_canonical(flags.model).string(), profile_options, cache,
@@ -285,7 +286,10 @@ void run_bench_spec(const BenchSpecFlags& flags) {
       const auto plain = generate_batch(*target, chunk, options);
       if (!record) return;
       record->seconds += plain[0].prefill_seconds + plain[0].decode_seconds;
-      for (const auto& result : plain) record->tokens += long(result.tokens.size()), plain_outputs.push_back(result.tokens);
+      for (const auto& result : plain) {
+        record->tokens += long(result.tokens.size());
+        plain_outputs.push_back(result.tokens);
+      }
     };
     auto run_spec = [&](std::span<const std::vector<int32_t>> chunk, size_t first, const std::string& schedule,
                         ModeResult* record) {
@@ -341,8 +345,8 @@ void run_bench_spec(const BenchSpecFlags& flags) {
     PlotOptions axes;
     axes.log_x = batches.size() > 1;
     char title[256];
-    std::snprintf(title, sizeof title, "Throughput, %s, gamma %d, temperature %.2f", target->device_description().c_str(),
-                  gamma, flags.temperature);
+    std::snprintf(title, sizeof title, "Throughput, %s, gamma %d, temperature %.2f",
+                  target->device_description().c_str(), gamma, flags.temperature);
     write_line_plot(flags.plot, title, "batch size (requests decoded together)", "tokens/s", series, axes);
   }
 

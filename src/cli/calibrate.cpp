@@ -121,8 +121,8 @@ void run_calibrate(const CalibrateFlags& flags) {
     std::snprintf(after_name, sizeof after_name, "STS (ECE %.3f)", metrics_after["ece"].get<double>());
     PlotOptions axes;
     axes.x_range = {0.0, 1.0}, axes.y_range = {0.0, 1.0};
-    write_line_plot(flags.plot, "Reliability of predicted prefix survival, " + std::to_string(rounds.size()) + " rounds",
-                    "predicted survival  a(k) = c(0)...c(k)", "observed survival",
+    const std::string title = "Reliability of predicted prefix survival, " + std::to_string(rounds.size()) + " rounds";
+    write_line_plot(flags.plot, title, "predicted survival  a(k) = c(0)...c(k)", "observed survival",
                     {PlotSeries{"perfect", {0.0, 1.0}, {0.0, 1.0}, true, true, Marker::none},
                      curve(before, before_name, Marker::circle), curve(after, after_name, Marker::square)},
                     axes);

@@ -1,8 +1,7 @@
 #include "core/plot.h"
 
-#include <unistd.h>
-
 #include <plstream.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -31,21 +30,14 @@ int on_plplot_exit(const char* message) {
 
 // cmap0 indices: 0 background, 1 axes and text, 2 grid, 3.. the series colours.
 constexpr int kBackground = 0, kForeground = 1, kGrid = 2, kFirstSeriesColour = 3;
-constexpr int kSeriesColours[][3] = {{31, 119, 180}, {255, 127, 14}, {44, 160, 44},  {214, 39, 40},
-                                     {148, 103, 189}, {140, 86, 75},  {227, 119, 194}, {127, 127, 127},
-                                     {188, 189, 34},  {23, 190, 207}};
+constexpr int kSeriesColours[][3] = {{31, 119, 180}, {255, 127, 14},  {44, 160, 44},   {214, 39, 40},  {148, 103, 189},
+                                     {140, 86, 75},  {227, 119, 194}, {127, 127, 127}, {188, 189, 34}, {23, 190, 207}};
 constexpr int kSeriesColourCount = sizeof(kSeriesColours) / sizeof(kSeriesColours[0]);
 
+// UTF-8 glyphs drawn as text by cairo, in Marker's order.
 const char* marker_glyph(Marker marker) {
-  switch (marker) {
-    case Marker::circle: return "●";
-    case Marker::square: return "■";
-    case Marker::triangle: return "▲";
-    case Marker::diamond: return "◆";
-    case Marker::cross: return "×";
-    case Marker::none: break;
-  }
-  return "";
+  static constexpr const char* kGlyphs[] = {"", "●", "■", "▲", "◆", "×"};
+  return kGlyphs[static_cast<int>(marker)];
 }
 
 // [lo, hi] of the data, widened by 5% on each side (or by 0.5 when flat).
@@ -90,11 +82,11 @@ void write_line_plot(const std::filesystem::path& path, const std::string& title
   std::vector<std::vector<double>> plotted_x(series.size());
   for (size_t s = 0; s < series.size(); ++s) {
     const PlotSeries& one = series[s];
-    DSPARK_CHECK(one.x.size() == one.y.size(), "plot ", path.string(), ": series \"", one.name, "\" has ",
-                 one.x.size(), " x values and ", one.y.size(), " y values");
+    DSPARK_CHECK(one.x.size() == one.y.size(), "plot ", path.string(), ": series \"", one.name, "\" has ", one.x.size(),
+                 " x values and ", one.y.size(), " y values");
     for (size_t i = 0; i < one.x.size(); ++i) {
-      DSPARK_CHECK(std::isfinite(one.x[i]) && std::isfinite(one.y[i]), "plot ", path.string(), ": series \"",
-                   one.name, "\" has a non-finite point (", one.x[i], ", ", one.y[i], ")");
+      DSPARK_CHECK(std::isfinite(one.x[i]) && std::isfinite(one.y[i]), "plot ", path.string(), ": series \"", one.name,
+                   "\" has a non-finite point (", one.x[i], ", ", one.y[i], ")");
       DSPARK_CHECK(!options.log_x || one.x[i] > 0, "plot ", path.string(), ": series \"", one.name,
                    "\" has x = ", one.x[i], " on a log axis");
       const double x = options.log_x ? std::log2(one.x[i]) : one.x[i];
@@ -121,8 +113,7 @@ void write_line_plot(const std::filesystem::path& path, const std::string& title
                "installation needs PLPLOT_DRV_DIR)");
   // Drawn beside the destination, then renamed over it. Opening the file here
   // first turns an unwritable path into an error rather than a PLplot exit.
-  const std::filesystem::path temporary =
-      path.string() + ".tmp." + std::to_string(::getpid()) + ".png";
+  const std::filesystem::path temporary = path.string() + ".tmp." + std::to_string(::getpid()) + ".png";
   {
     std::ofstream probe(temporary, std::ios::binary | std::ios::trunc);
     DSPARK_CHECK(probe.good(), "plot ", path.string(), ": cannot write there");
@@ -187,11 +178,10 @@ void write_line_plot(const std::filesystem::path& path, const std::string& title
         PLFLT legend_width = 0, legend_height = 0;
         plot.col0(kForeground);
         plot.legend(&legend_width, &legend_height, PL_LEGEND_BACKGROUND | PL_LEGEND_BOUNDING_BOX,
-                    PL_POSITION_INSIDE | PL_POSITION_TOP | PL_POSITION_LEFT, 0.02, 0.02, 0.1, kBackground,
-                    kForeground, 1, 0, 0, PLINT(texts.size()), entry_options.data(), 1.0, 0.9, 2.0, 0.0,
-                    text_colours.data(), texts.data(), nullptr, nullptr, nullptr, nullptr, colours.data(),
-                    styles.data(), widths.data(), colours.data(), symbol_scales.data(), symbol_counts.data(),
-                    symbols.data());
+                    PL_POSITION_INSIDE | PL_POSITION_TOP | PL_POSITION_LEFT, 0.02, 0.02, 0.1, kBackground, kForeground,
+                    1, 0, 0, PLINT(texts.size()), entry_options.data(), 1.0, 0.9, 2.0, 0.0, text_colours.data(),
+                    texts.data(), nullptr, nullptr, nullptr, nullptr, colours.data(), styles.data(), widths.data(),
+                    colours.data(), symbol_scales.data(), symbol_counts.data(), symbols.data());
       }
     }  // the stream ends here: the cairo driver writes the PNG
     std::error_code error;

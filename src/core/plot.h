@@ -29,8 +29,8 @@ struct PlotSeries {
 
 struct PlotOptions {
   std::optional<std::pair<double, double>> x_range, y_range;  // default: the data's, padded
-  bool log_x = false;                                          // log x axis, ticks at powers of 2 (x > 0)
-  int width = 900, height = 600;                               // pixels
+  bool log_x = false;                                         // log x axis, ticks at powers of 2 (x > 0)
+  int width = 900, height = 600;                              // pixels
 };
 
 // Draws every series on one set of axes with a legend and writes a PNG.

@@ -128,9 +128,8 @@ std::filesystem::path default_sps_cache_path() {
 
 SpsProfile cached_sps_profile(Target& target, const std::string& model_key, const SpsProfileOptions& options,
                               const std::filesystem::path& cache_file, bool remeasure, bool* measured) {
-  std::string key = target.device_description() + " | " + model_key + " | context " +
-                    std::to_string(options.context) + ", " + std::to_string(options.tokens_per_sequence) +
-                    " tokens per sequence, taps [";
+  std::string key = target.device_description() + " | " + model_key + " | context " + std::to_string(options.context) +
+                    ", " + std::to_string(options.tokens_per_sequence) + " tokens per sequence, taps [";
   for (size_t i = 0; i < options.taps.size(); ++i) key += (i ? "," : "") + std::to_string(options.taps[i]);
   key += "]";
   Json cache = Json::object();

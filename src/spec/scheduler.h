@@ -41,11 +41,11 @@ struct SpsProfile {
 };
 
 struct SpsProfileOptions {
-  int max_tokens = 512;          // the largest B measured
-  int context = 64;              // tokens already in each sequence's cache
-  int tokens_per_sequence = 8;   // B is spread over ceil(B / this) sequences, like verify blocks
-  std::vector<int> taps;         // tapped layers returned with the forward, as the draft source needs
-  int runs = 5;                  // timed runs per point (median), after 2 warm-ups
+  int max_tokens = 512;         // the largest B measured
+  int context = 64;             // tokens already in each sequence's cache
+  int tokens_per_sequence = 8;  // B is spread over ceil(B / this) sequences, like verify blocks
+  std::vector<int> taps;        // tapped layers returned with the forward, as the draft source needs
+  int runs = 5;                 // timed runs per point (median), after 2 warm-ups
 };
 
 // The B values measured: 1, 2, 3, 4, 6, 8, 12, ... (powers of 2 and 1.5x

@@ -37,8 +37,8 @@ double expected_calibration_error(std::span<const double> predicted, std::span<c
 }
 
 double auroc(std::span<const double> predicted, std::span<const uint8_t> outcome) {
-  DSPARK_CHECK(predicted.size() == outcome.size(), "AUROC: ", predicted.size(), " predictions for ",
-               outcome.size(), " outcomes");
+  DSPARK_CHECK(predicted.size() == outcome.size(), "AUROC: ", predicted.size(), " predictions for ", outcome.size(),
+               " outcomes");
   std::vector<size_t> order(predicted.size());
   std::iota(order.begin(), order.end(), size_t{0});
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return predicted[a] < predicted[b]; });
@@ -64,8 +64,8 @@ SurvivalSamples survival_samples(std::span<const CalibrationRound> rounds, std::
     double survival = 1.0;
     for (size_t k = 0; k < round.confidence.size(); ++k) {
       const double temperature = k < temperatures.size() ? temperatures[k] : 1.0;
-      survival *= temperatures.empty() ? double(round.confidence[k])
-                                       : calibrated_confidence(round.confidence[k], temperature);
+      survival *=
+          temperatures.empty() ? double(round.confidence[k]) : calibrated_confidence(round.confidence[k], temperature);
       samples.predicted.push_back(survival);
       samples.survived.push_back(round.accepted > int(k));
       samples.position.push_back(int(k));
@@ -99,7 +99,7 @@ std::vector<float> fit_sts_temperatures(std::span<const CalibrationRound> rounds
   const std::vector<double> grid = sts_temperature_grid();
   std::vector<float> temperatures(gamma, 1.0f);
   std::vector<double> prefix(rounds.size(), 1.0);  // Π_{i<k} calibrated c_i of each round
-  std::vector<size_t> drafted;                      // rounds that drafted position k
+  std::vector<size_t> drafted;                     // rounds that drafted position k
   std::vector<double> logits, predicted;
   std::vector<uint8_t> survived;
   for (int k = 0; k < gamma; ++k) {
@@ -136,7 +136,7 @@ std::vector<float> fit_thresholds(std::span<const CalibrationRound> rounds, std:
                                   int gamma, double target_precision, int min_samples) {
   DSPARK_CHECK(target_precision > 0.0 && target_precision <= 1.0, "target precision ", target_precision,
                " is outside (0, 1]");
-  std::vector<float> thresholds(gamma, 0.0f);  // position 0 is never pruned
+  std::vector<float> thresholds(gamma, 0.0f);      // position 0 is never pruned
   std::vector<std::pair<float, uint8_t>> reached;  // (calibrated c_k, accepted k) of the rounds that reached k
   for (int k = 1; k < gamma; ++k) {
     reached.clear();
@@ -188,8 +188,7 @@ void write_calibration(const std::filesystem::path& drafter_directory, const Sts
   write_text_file_atomic(path, metadata.dump(2) + "\n");
 }
 
-std::vector<CalibrationRound> collect_calibration_rounds(Target& target, const Drafter& drafter,
-                                                         const TargetHead& head,
+std::vector<CalibrationRound> collect_calibration_rounds(Target& target, const Drafter& drafter, const TargetHead& head,
                                                          std::span<const std::vector<int32_t>> prompts,
                                                          const CalibrationRunOptions& options) {
   DSPARK_CHECK(!drafter.config.sts, "calibration needs the drafter's raw confidences: clear config.sts first");

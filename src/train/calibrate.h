@@ -94,15 +94,14 @@ struct CalibrationRunOptions {
   int max_new_tokens = 128;      // per prompt
   cpu::SamplingParams sampling;  // greedy at temperature 0
   uint64_t seed = 0;
-  int batch = 8;                 // prompts decoded together
-  int gamma = 0;                 // 0: the drafter's
-  bool progress = true;          // a Progress line on stderr
+  int batch = 8;         // prompts decoded together
+  int gamma = 0;         // 0: the drafter's
+  bool progress = true;  // a Progress line on stderr
 };
 
 // Unpruned speculative decoding of `prompts` with `drafter` (which must carry
 // no config.sts: the fit needs raw confidences), every round recorded.
-std::vector<CalibrationRound> collect_calibration_rounds(Target& target, const Drafter& drafter,
-                                                         const TargetHead& head,
+std::vector<CalibrationRound> collect_calibration_rounds(Target& target, const Drafter& drafter, const TargetHead& head,
                                                          std::span<const std::vector<int32_t>> prompts,
                                                          const CalibrationRunOptions& options);
 
