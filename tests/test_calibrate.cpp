@@ -203,6 +203,22 @@ TEST(CalibrationCheckpoint, WritesOnlyConfigSts) {
   EXPECT_EQ(loaded.config.sts->thresholds, calibration.thresholds);
   EXPECT_EQ(loaded.config.sts->temperatures, calibration.temperatures);
   EXPECT_FLOAT_EQ(loaded.config.sts->target, 0.6f);
+  // A file written elsewhere keeps its own key order: only the calibration is added.
+  const std::string foreign =
+      "{\"variant\": \"dspark\", \"kind\": \"dspark-drafter\", \"config\": {\"gamma\": 1, \"dDraft\": 8}, "
+      "\"zeta\": [1, 2], \"alpha\": {\"b\": 1, \"a\": 2}}";
+  std::filesystem::create_directories(directory.path / "foreign");
+  write_text_file_atomic(directory.path / "foreign" / "dspark.json", foreign);
+  write_calibration(directory.path / "foreign", {{0.0f}, {2.0f}, 0.5f, 9});
+  const std::string rewritten = read_text_file(directory.path / "foreign" / "dspark.json");
+  EXPECT_LT(rewritten.find("\"variant\""), rewritten.find("\"kind\""));
+  EXPECT_LT(rewritten.find("\"zeta\""), rewritten.find("\"alpha\""));
+  EXPECT_LT(rewritten.find("\"b\""), rewritten.find("\"a\""));
+  EXPECT_LT(rewritten.find("\"dDraft\""), rewritten.find("\"sts\""));
+  Json reread = Json::parse(rewritten);
+  EXPECT_EQ(reread["config"]["sts"]["temperatures"], Json::array({2.0}));
+  reread["config"].erase("sts");
+  EXPECT_EQ(reread, Json::parse(foreign));
   EXPECT_NE(testing::error_of([&] {
               write_calibration(directory.path, {{0.0f}, {1.0f}, 0.5f, 1});
             }).find("1 positions for gamma 3"),

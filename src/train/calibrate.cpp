@@ -174,10 +174,18 @@ StsCalibration fit_calibration(std::span<const CalibrationRound> rounds, int gam
 
 void write_calibration(const std::filesystem::path& drafter_directory, const StsCalibration& calibration) {
   const std::filesystem::path path = drafter_directory / "dspark.json";
-  Json metadata = read_json_file(path);
+  // Parsed keeping the file's key order, so that only config.sts changes.
+  nlohmann::ordered_json metadata;
+  try {
+    metadata = nlohmann::ordered_json::parse(read_text_file(path));
+  } catch (const nlohmann::json::exception& error) {
+    fail(path.string(), ": not valid JSON (", error.what(), ")");
+  }
   DSPARK_CHECK(metadata.is_object() && metadata.contains("config") && metadata["config"].is_object(), path.string(),
                ": no \"config\" object");
-  const int gamma = json_get<int>(metadata["config"], "gamma", path.string() + " config");
+  const auto& gamma_field = metadata["config"]["gamma"];
+  DSPARK_CHECK(gamma_field.is_number_integer(), path.string(), ": config has no integer \"gamma\"");
+  const int gamma = gamma_field.get<int>();
   DSPARK_CHECK(calibration.thresholds.size() == size_t(gamma) && calibration.temperatures.size() == size_t(gamma),
                path.string(), ": a calibration of ", calibration.thresholds.size(), " positions for gamma ", gamma);
   // The same fields spec/drafter.cpp reads back into StsCalibration.
