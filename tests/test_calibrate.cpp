@@ -139,7 +139,7 @@ TEST(CalibrationThresholds, FollowTheLaplaceRuleExactly) {
   EXPECT_EQ(fit(0.5)[1], 0.0f);
   EXPECT_NEAR(fit(0.8)[1], 0.9f, 1e-6);
   EXPECT_NEAR(fit(0.96)[1], 0.9f, 1e-6);
-  EXPECT_EQ(fit(0.97)[1], 1.0f);  // nothing reaches it: never verify position 1
+  EXPECT_EQ(fit(0.97)[1], kNeverVerify);  // nothing reaches it: never verify position 1
   for (double target : {0.5, 0.8, 0.97}) EXPECT_EQ(fit(target)[0], 0.0f);  // position 0 is never pruned
 
   // The smallest qualifying threshold, where precision is not monotone in t:
@@ -150,7 +150,7 @@ TEST(CalibrationThresholds, FollowTheLaplaceRuleExactly) {
   add_rounds(rounds, 5, 0.8f, 2);
   EXPECT_NEAR(fit(0.85)[1], 0.5f, 1e-6);
   EXPECT_NEAR(fit(0.9)[1], 0.5f, 1e-6);
-  EXPECT_EQ(fit(0.97)[1], 1.0f);
+  EXPECT_EQ(fit(0.97)[1], kNeverVerify);
   EXPECT_EQ(fit(0.45)[1], 0.0f);
 }
 
@@ -161,7 +161,7 @@ TEST(CalibrationThresholds, UnderFiftySamplesNoPruning) {
   add_rounds(rounds, 500, 0.3f, 0);  // many rounds, but none reached position 1
   EXPECT_EQ(fit_thresholds(rounds, unit, 2, 0.5)[1], 0.0f);
   add_rounds(rounds, 1, 0.3f, 1);  // the 50th reached round: the rule applies
-  EXPECT_EQ(fit_thresholds(rounds, unit, 2, 0.5)[1], 1.0f);
+  EXPECT_EQ(fit_thresholds(rounds, unit, 2, 0.5)[1], kNeverVerify);
 }
 
 TEST(CalibrationThresholds, AreFittedOnTheCalibratedConfidence) {

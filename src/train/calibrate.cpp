@@ -149,7 +149,7 @@ std::vector<float> fit_thresholds(std::span<const CalibrationRound> rounds, std:
     // (accepted, count) describe the rounds with c >= that value.
     std::sort(reached.begin(), reached.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
     long accepted = 0, count = 0;
-    float smallest = 1.0f;  // no threshold reaches the target: never worth verifying
+    float smallest = kNeverVerify;  // unless some threshold reaches the target
     for (size_t begin = 0; begin < reached.size();) {
       size_t end = begin;
       for (; end < reached.size() && reached[end].first == reached[begin].first; ++end)

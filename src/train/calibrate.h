@@ -15,8 +15,10 @@
 //   precision (acc(t) + 1) / (n(t) + 2) reaches the target, where n(t) counts
 //   those rounds with calibrated c_k ≥ t and acc(t) the ones among them that
 //   accepted position k. The candidates are 0 and the observed confidences;
-//   when none qualifies the threshold is 1 (the position is not worth
-//   verifying). Position 0 is never pruned (0), nor is a position with fewer
+//   when none qualifies the threshold is kNeverVerify (2: above every
+//   confidence, the position is not worth verifying; 1 would still keep a
+//   calibrated confidence that rounds to 1.0f). Position 0 is never pruned
+//   (0), nor is a position with fewer
 //   than `min_samples` rounds.
 //
 // Thresholds compare against the CALIBRATED confidence, exactly as the draft
@@ -43,6 +45,7 @@ struct CalibrationRound {
 
 constexpr int kCalibrationMinSamples = 50;  // fewer rounds at a position: T = 1, no pruning
 constexpr int kCalibrationBins = 10;        // equal-width bins of ECE and the reliability diagram
+constexpr float kNeverVerify = 2.0f;        // the threshold of a position no confidence makes worth verifying
 
 // σ(logit(raw) / T), the raw confidence clamped to [1e-7, 1 - 1e-7] first
 // (a float confidence can round to exactly 0 or 1).
