@@ -55,12 +55,12 @@ struct DraftContext {
 void extend_draft_context(const Drafter& drafter, DraftContext& context, const float* tapped_rows, int count);
 
 struct DraftOptions {
-  cpu::SamplingParams sampling;   // greedy at temperature 0
-  std::vector<float> thresholds;  // [γ] per-position confidence thresholds; empty: config.sts's, if any
+  cpu::SamplingParams sampling;       // greedy at temperature 0
+  std::vector<float> thresholds;      // [γ] per-position confidence thresholds; empty: config.sts's, if any
   bool calibrated_thresholds = true;  // prune by config.sts thresholds when `thresholds` is empty
-  float min_confidence = 0.0f;    // a uniform threshold; 0: none
-  int max_tokens = 0;             // draft at most this many (<= γ); 0: γ
-  bool collect_logits = false;    // return each drafted position's logits
+  float min_confidence = 0.0f;        // a uniform threshold; 0: none
+  int max_tokens = 0;                 // draft at most this many (<= γ); 0: γ
+  bool collect_logits = false;        // return each drafted position's logits
 };
 
 struct DraftRequest {
