@@ -12,6 +12,7 @@ packages=(
   libcpp-httplib-dev       # the HTTP server
   libgtest-dev libgmock-dev libbenchmark-dev
   libzstd-dev
+  libplplot-dev plplot-driver-cairo  # PNG plots (reliability diagrams, throughput sweeps)
   python3                  # plotting and small tools
 )
 missing=()

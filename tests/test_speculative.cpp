@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <map>
+#include <tuple>
 
 #include "golden.h"
 #include "random_drafter.h"
@@ -14,6 +15,7 @@
 #include "spec/acceptance.h"
 #include "spec/dspark_source.h"
 #include "spec/ngram_source.h"
+#include "spec/scheduler.h"
 #include "spec/speculative.h"
 
 namespace dspark {
@@ -41,6 +43,13 @@ Drafter random_drafter(const ModelConfig& target, const std::string& head, int g
   Drafter drafter = init_drafter(config, {target.hidden_size, target.vocab_size, target.rms_norm_eps}, "t", 1);
   testing::randomize_parameters(drafter, seed, scale);
   return drafter;
+}
+
+// Verify step time 1 + seconds_per_token * B (in units of a fixed overhead):
+// Alg 1 then admits a position of survival a when a > τ* / (1 / seconds_per_token + B),
+// so it verifies long prefixes of confident rows and cuts the rest.
+SpsProfile linear_sps(double seconds_per_token) {
+  return {{1, 4097}, {1.0 / (1.0 + seconds_per_token), 1.0 / (1.0 + 4097 * seconds_per_token)}};
 }
 
 // Proposes the target's own greedy continuation: every draft is accepted.
@@ -98,6 +107,7 @@ struct GreedyCase {
   std::string source;  // "untrained", "random", "oracle", "ngram"
   int gamma;
   float min_confidence;
+  bool alg1 = false;  // the prefix scheduler cuts the proposals
 };
 
 class GreedyLossless : public ::testing::TestWithParam<GreedyCase> {};
@@ -125,6 +135,8 @@ TEST_P(GreedyLossless, SpeculativeEqualsPlain) {
   SpeculativeOptions options;
   options.max_new_tokens = count;
   options.gamma = c.gamma;
+  PrefixScheduler scheduler(linear_sps(0.2));
+  if (c.alg1) options.scheduler = &scheduler;
   // Every prompt alone, then all of them as one ragged batch.
   std::vector<std::vector<int32_t>> expected;
   for (const auto& prompt : prompts) expected.push_back(plain_greedy(model, prompt, count));
@@ -136,7 +148,17 @@ TEST_P(GreedyLossless, SpeculativeEqualsPlain) {
     total.add(result[0].stats);
   }
   const auto batched = speculative_generate(target, *source, prompts, options);
-  for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(batched[i].tokens, expected[i]) << "batched prompt " << i;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(batched[i].tokens, expected[i]) << "batched prompt " << i;
+    total.add(batched[i].stats);
+  }
+  const bool scored = c.source == "untrained" || c.source == "random";  // proposals carry confidences
+  if (c.alg1 && scored) {  // the scheduler both verified and cut drafts
+    EXPECT_GT(total.drafted, 0);
+    EXPECT_LT(total.drafted, total.proposed);
+  } else {  // no scheduler, or nothing to rank by: every proposed token is verified
+    EXPECT_EQ(total.drafted, total.proposed);
+  }
   if (c.source == "oracle") {
     EXPECT_EQ(total.accepted, total.drafted);  // every draft accepted
   } else if (c.source == "untrained") {
@@ -152,7 +174,9 @@ INSTANTIATE_TEST_SUITE_P(
                       GreedyCase{"qwen3", "random", 5, 0.0f}, GreedyCase{"llama", "random", 8, 0.0f},
                       GreedyCase{"qwen3", "random", 8, 0.45f}, GreedyCase{"llama", "oracle", 3, 0.0f},
                       GreedyCase{"qwen3", "oracle", 8, 0.0f}, GreedyCase{"qwen3", "ngram", 6, 0.0f},
-                      GreedyCase{"llama", "ngram", 2, 0.0f}));
+                      GreedyCase{"llama", "ngram", 2, 0.0f}, GreedyCase{"qwen3", "random", 8, 0.0f, true},
+                      GreedyCase{"llama", "random", 5, 0.0f, true}, GreedyCase{"qwen3", "untrained", 6, 0.0f, true},
+                      GreedyCase{"qwen3", "oracle", 8, 0.0f, true}));
 
 TEST(SpeculativeLimits, ContextEndAndEosStopLikePlainDecoding) {
   const Transformer& model = golden("qwen3");
@@ -358,6 +382,7 @@ double chi_square_bound(int k) {
 struct SamplingCase {
   std::string source;
   cpu::SamplingParams sampling;
+  bool alg1 = false;  // the prefix scheduler cuts the proposals
 };
 
 class SamplingLossless : public ::testing::TestWithParam<SamplingCase> {};
@@ -371,7 +396,10 @@ TEST_P(SamplingLossless, EmittedTokensHaveTheTargetsDistribution) {
   const std::vector<int32_t> prompt = {1, 4, 2, 2, 5};
   const int V = model.config.vocab_size;
   const auto expected = exact_joint(model, prompt, c.sampling);
-  const Drafter drafter = random_drafter(model.config, "markov", 3, 31, 2.0f);
+  Drafter drafter = random_drafter(model.config, "markov", 3, 31, 2.0f);
+  // This drafter's confidences sit near 0.01; centred near 0.5 they spread over
+  // the scheduler's admission thresholds.
+  if (c.alg1) drafter.parameters.at("conf.b").data[0] += 4.4f;
   std::unique_ptr<DraftSource> source;
   if (c.source == "drafter") source = std::make_unique<DSparkSource>(drafter, target_head_of(model));
   if (c.source == "ngram") source = std::make_unique<NgramSource>(2);
@@ -380,6 +408,10 @@ TEST_P(SamplingLossless, EmittedTokensHaveTheTargetsDistribution) {
   options.max_new_tokens = 3;
   options.gamma = 3;
   options.sampling = c.sampling;
+  // 50 rows a round: a position is admitted while its survival exceeds τ*/(200 + B), about 0.2
+  // to 0.25 here, so the cuts vary with the confidences.
+  PrefixScheduler scheduler(linear_sps(0.005));
+  if (c.alg1) options.scheduler = &scheduler;
   const long draws = 100000;
   std::vector<long> counts(V * V * V, 0);
   SpeculativeStats stats;
@@ -395,12 +427,167 @@ TEST_P(SamplingLossless, EmittedTokensHaveTheTargetsDistribution) {
   EXPECT_LT(statistic, chi_square_bound(freedom)) << freedom << " degrees of freedom";
   EXPECT_GT(stats.accepted, 0);
   EXPECT_LT(stats.accepted, stats.drafted);  // both accepts and rejections were exercised
+  if (c.alg1) {  // every verified length occurred (3 new tokens leave room for 2 drafts): 0, 1 and 2
+    EXPECT_LT(stats.drafted, stats.proposed);
+    EXPECT_LT(stats.drafted_at[0], stats.rounds);
+    EXPECT_LT(stats.drafted_at[1], stats.drafted_at[0]);
+    EXPECT_GT(stats.drafted_at[1], 0);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Sources, SamplingLossless,
                          ::testing::Values(SamplingCase{"drafter", {1.0f, 0, 1.0f}},
                                            SamplingCase{"drafter", {0.7f, 4, 0.9f}},
-                                           SamplingCase{"ngram", {1.3f, 0, 0.95f}}));
+                                           SamplingCase{"ngram", {1.3f, 0, 0.95f}},
+                                           SamplingCase{"drafter", {1.0f, 0, 1.0f}, true},
+                                           SamplingCase{"drafter", {0.7f, 4, 0.9f}, true}));
+
+// ---------------------------------------------- the scheduler's early stop
+//
+// The paper's Appendix A: a scheduler whose decision to verify draft position
+// j depends on the value of the token drafted at j biases the output. In a
+// DSpark drafter c_1 reads the drafted token x_0 (through e_1 = w1[x_0]), so a
+// scheduler that decides position 0 by looking at position 1's confidence, as
+// one without Alg 1's early stop may, is such a scheduler.
+
+// Two positions per round: x_0 ~ q_0 (half its mass on `favoured`), x_1
+// uniform; c_0 = 0.6, and c_1 = 0.9 when x_0 is `favoured`, else 0.1.
+class TokenDependentSource final : public DraftSource {
+ public:
+  TokenDependentSource(int vocab, int32_t favoured) : vocab_(vocab), favoured_(favoured) {}
+  void begin(int row, std::span<const int32_t>, uint64_t seed) override { rngs_.insert_or_assign(row, Rng(seed)); }
+  void accept(int, std::span<const int32_t>, const float*) override {}
+  void propose(std::span<const int> rows, std::span<const int32_t>, std::span<const int> max_tokens,
+               const cpu::SamplingParams&, std::vector<Proposal>& proposals) override {
+    proposals.assign(rows.size(), Proposal{});
+    for (size_t i = 0; i < rows.size(); ++i) {
+      Rng& rng = rngs_.at(rows[i]);
+      Proposal& proposal = proposals[i];
+      std::vector<float> first(vocab_, 0.5f / (vocab_ - 1)), second(vocab_, 1.0f / vocab_);
+      first[favoured_] = 0.5f;
+      for (const auto* q : {&first, &second}) {
+        if (int(proposal.tokens.size()) >= max_tokens[i]) break;
+        const float c = proposal.tokens.empty() ? 0.6f : proposal.tokens[0] == favoured_ ? 0.9f : 0.1f;
+        proposal.tokens.push_back(cpu::sample_from_distribution(q->data(), vocab_, rng.uniform()));
+        proposal.confidence.push_back(c);
+        proposal.probs.insert(proposal.probs.end(), q->begin(), q->end());
+      }
+    }
+  }
+  void end(int row) override { rngs_.erase(row); }
+
+ private:
+  int vocab_;
+  int32_t favoured_;
+  std::map<int, Rng> rngs_;
+};
+
+// Alg 1 without the early stop: walks the same descending order, but keeps
+// the best prefix of the whole walk, so position 0 can be verified because of
+// what position 1 promises.
+class NoEarlyStopScheduler final : public VerifyScheduler {
+ public:
+  explicit NoEarlyStopScheduler(SpsProfile sps) : sps_(std::move(sps)) {}
+  void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) override {
+    std::vector<std::tuple<double, int, int>> walk;  // (-survival, position, row)
+    for (size_t r = 0; r < proposals.size(); ++r) {
+      double survival = 1.0;
+      for (size_t j = 0; j < proposals[r].confidence.size(); ++j)
+        walk.emplace_back(-(survival *= proposals[r].confidence[j]), int(j), int(r));
+    }
+    std::sort(walk.begin(), walk.end());
+    const int rows = int(proposals.size());
+    double expected = rows, best_rate = rows * sps_.at(rows);
+    size_t best = 0;
+    for (size_t i = 0; i < walk.size(); ++i) {
+      expected -= std::get<0>(walk[i]);
+      const double rate = expected * sps_.at(rows + int(i) + 1);
+      if (rate > best_rate) best_rate = rate, best = i + 1;
+    }
+    verify.assign(rows, 0);
+    for (size_t i = 0; i < best; ++i) verify[std::get<2>(walk[i])] = std::get<1>(walk[i]) + 1;
+  }
+
+ private:
+  SpsProfile sps_;
+};
+
+// Verifies a row's draft only when its first token is `favoured`.
+class TokenPeekingScheduler final : public VerifyScheduler {
+ public:
+  explicit TokenPeekingScheduler(int32_t favoured) : favoured_(favoured) {}
+  void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) override {
+    verify.clear();
+    for (const Proposal& proposal : proposals)
+      verify.push_back(!proposal.tokens.empty() && proposal.tokens[0] == favoured_ ? int(proposal.tokens.size()) : 0);
+  }
+
+ private:
+  int32_t favoured_;
+};
+
+// One request per call (R = 1), 20000 calls per scheduler; the joint law of the
+// first two emitted tokens against the exact plain law (36 cells). Alg 1 must
+// pass at the 1 - 1e-4 chi-square quantile (a false alarm has probability 1e-4;
+// the seeds are fixed, so the outcome is deterministic). The biased variants
+// move P(first token = favoured) from p to p + q(1 - p) or p(2 - q) (q = 0.5),
+// a shift of several hundred standard deviations' worth of chi-square at this
+// size: they must fail the same test.
+TEST(SchedulerEarlyStop, TokenDependentAdmissionBiasesTheOutputAndAlg1DoesNot) {
+  const Transformer model = tiny_target(7);
+  const std::vector<int32_t> prompt = {1, 4, 2, 2, 5};
+  const int V = model.config.vocab_size;
+  const cpu::SamplingParams sampling{1.0f, 0, 1.0f};
+  const auto joint3 = exact_joint(model, prompt, sampling);
+  std::vector<double> joint2(V * V, 0.0), first(V, 0.0);
+  for (int a = 0; a < V * V; ++a)
+    for (int c = 0; c < V; ++c) joint2[a] += joint3[a * V + c], first[a / V] += joint3[a * V + c];
+  // The favoured token: the target's likeliest first token (the largest bias).
+  const int32_t favoured = int32_t(std::max_element(first.begin(), first.end()) - first.begin());
+  ASSERT_GT(first[favoured], 0.05);
+  ASSERT_LT(first[favoured], 0.95);
+
+  // Alg 1 with a concave SPS: position 0 always pays (1.6 x 90 > 100); position
+  // 1 pays only when x_0 is favoured (2.14 x 70 > 1.6 x 90 > 1.66 x 70). The
+  // no-early-stop variant with a non-concave SPS: position 0 alone never pays
+  // (1.6 x 60 < 100), both together do exactly when x_0 is favoured (2.14 x 59 > 100 > 1.66 x 59).
+  PrefixScheduler alg1({{1, 2, 3}, {100.0, 90.0, 70.0}});
+  NoEarlyStopScheduler no_early_stop({{1, 2, 3}, {100.0, 60.0, 59.0}});
+  TokenPeekingScheduler peeking(favoured);
+  struct Run {
+    std::string name;
+    VerifyScheduler* scheduler;
+    bool lossless;
+  };
+  CpuTarget target(model);
+  TokenDependentSource source(V, favoured);
+  for (const Run& run : {Run{"alg1", &alg1, true}, Run{"no early stop", &no_early_stop, false},
+                         Run{"token peeking", &peeking, false}}) {
+    SpeculativeOptions options;
+    options.max_new_tokens = 3;  // round 1 drafts 2 positions
+    options.gamma = 2;
+    options.sampling = sampling;
+    options.scheduler = run.scheduler;
+    const long draws = 20000;
+    std::vector<long> counts(V * V, 0);
+    SpeculativeStats stats;
+    for (long i = 0; i < draws; ++i) {
+      options.seed = 7919 * i + 3;
+      const auto result = speculative_generate(target, source, std::span(&prompt, 1), options);
+      ++counts[result[0].tokens[0] * V + result[0].tokens[1]];
+      stats.add(result[0].stats);
+    }
+    const auto [statistic, freedom] = chi_square(counts, joint2, draws);
+    if (run.lossless) {
+      EXPECT_LT(statistic, chi_square_bound(freedom)) << run.name << ": " << freedom << " degrees of freedom";
+      // Not vacuous: the verified length varied with the drafted token 0.
+      EXPECT_GT(stats.drafted_at[1], 0);
+      EXPECT_LT(stats.drafted_at[1], stats.drafted_at[0]);
+    } else {
+      EXPECT_GT(statistic, chi_square_bound(freedom)) << run.name << ": " << freedom << " degrees of freedom";
+    }
+  }
+}
 
 TEST(Acceptance, GreedyKeepsTheMatchingPrefix) {
   const std::vector<int32_t> target = {5, 6, 7, 8}, draft = {5, 6, 9};

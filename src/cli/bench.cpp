@@ -14,12 +14,15 @@
 
 #include "cli/commands.h"
 #include "core/json.h"
+#include "core/plot.h"
 #include "core/random.h"
 #include "model/generate.h"
 #include "model/prompts.h"
 #include "model/target.h"
 #include "model/tokenizer.h"
 #include "spec/draft_sources.h"
+#include "spec/dspark_source.h"
+#include "spec/scheduler.h"
 #include "spec/speculative.h"
 #ifdef DSPARK_CUDA
 #include "kernels/cuda/device.h"
@@ -180,7 +183,12 @@ struct BenchSpecFlags {
   std::string draft;
   std::string prompts;
   std::string device = "auto";
-  int batch = 1;
+  std::vector<int> batches = {1};
+  bool sweep = false;
+  std::vector<std::string> schedules;  // empty: threshold for one batch size, all three for several
+  std::string plot;
+  std::string sps_cache;  // empty: default_sps_cache_path()
+  bool reprofile = false;
   int gamma = 0;
   int max_new_tokens = 128;
   float temperature = 0.0f;
@@ -189,9 +197,22 @@ struct BenchSpecFlags {
   bool json = false;
 };
 
-// Plain and speculative decoding of the same prompts in one run: tau,
-// acceptance by position, tokens/s of both, and how close the speed-up comes
-// to the ideal tau * t(1) / t(gamma + 1) given this run's verify cost.
+// One decoding mode over one batch size's requests.
+struct ModeResult {
+  double seconds = 0.0;
+  long tokens = 0, matched = 0;
+  SpeculativeStats stats;
+  double tokens_per_s() const { return seconds > 0 ? tokens / seconds : 0.0; }
+};
+
+// Plain and speculative decoding of the same prompts, at one or several batch
+// sizes and under one or several verify schedules:
+//   off        every drafted position is verified (no pruning);
+//   threshold  the drafter prunes by its calibrated thresholds (config.sts);
+//   alg1       the hardware-aware prefix scheduler cuts unpruned drafts.
+// One batch size and one schedule also report acceptance by position and how
+// close the speed-up comes to the ideal tau * t(1) / t(gamma + 1) given this
+// run's verify cost; several print (and --plot draws) tokens/s against batch size.
 void run_bench_spec(const BenchSpecFlags& flags) {
   const std::unique_ptr<Target> target = load_target(flags.model, flags.device);
   const Tokenizer tokenizer = Tokenizer::load(flags.model);
@@ -203,88 +224,233 @@ void run_bench_spec(const BenchSpecFlags& flags) {
   LoadedDraftSource source = load_draft_source(flags.draft, flags.model, *target, 0.0f);
   const int gamma = flags.gamma > 0 ? flags.gamma : source.default_gamma;
   const cpu::SamplingParams sampling{flags.temperature, 0, 1.0f};
-
-  double plain_seconds = 0.0, spec_seconds = 0.0;
-  long plain_tokens = 0, spec_tokens = 0, matched = 0;
-  SpeculativeStats stats;
-  auto run_chunk = [&](std::span<const std::vector<int32_t>> chunk, bool record) {
-    GenerateOptions plain_options;
-    plain_options.max_new_tokens = flags.max_new_tokens;
-    plain_options.sampling = sampling;
-    plain_options.seed = flags.seed;
-    const auto plain = generate_batch(*target, chunk, plain_options);
-    SpeculativeOptions spec_options;
-    spec_options.max_new_tokens = flags.max_new_tokens;
-    spec_options.sampling = sampling;
-    spec_options.seed = flags.seed;
-    spec_options.gamma = gamma;
-    SpeculativeTiming timing;
-    const auto spec = speculative_generate(*target, *source.source, chunk, spec_options, &timing);
-    if (!record) return;
-    plain_seconds += plain[0].prefill_seconds + plain[0].decode_seconds;
-    spec_seconds += timing.prefill_seconds + timing.decode_seconds;
-    for (size_t i = 0; i < chunk.size(); ++i) {
-      plain_tokens += long(plain[i].tokens.size());
-      spec_tokens += long(spec[i].tokens.size());
-      matched += plain[i].tokens == spec[i].tokens;
-      stats.add(spec[i].stats);
-    }
+  const std::vector<int> batches = flags.sweep ? std::vector<int>{1, 2, 4, 8, 16, 32, 64} : flags.batches;
+  const std::vector<std::string> schedules =
+      !flags.schedules.empty() ? flags.schedules
+      : batches.size() > 1     ? std::vector<std::string>{"off", "threshold", "alg1"}
+                               : std::vector<std::string>{"threshold"};
+  auto scheduled = [&](const std::string& name) {
+    return std::find(schedules.begin(), schedules.end(), name) != schedules.end();
   };
-  // An untimed pass first: GEMM algorithm choice and CUDA graph capture happen
-  // on a shape's first uses, and both paths should be measured warm.
-  run_chunk(std::span(prompts).first(std::min<size_t>(flags.batch, prompts.size())), false);
-  for (size_t begin = 0; begin < prompts.size(); begin += flags.batch)
-    run_chunk(std::span(prompts).subspan(begin, std::min<size_t>(flags.batch, prompts.size() - begin)), true);
-
-  // The verify cost at this batch size and a typical context.
-  size_t total_length = 0;
-  for (const auto& prompt : prompts) total_length += prompt.size();
-  const int context = std::min<int>(config.max_positions - gamma - 2, int(total_length / prompts.size()));
-  std::vector<int> sequences;
-  std::vector<int32_t> next;
-  for (int b = 0; b < flags.batch; ++b) {
-    sequences.push_back(target->create_sequence(context + gamma + 1));
-    std::vector<int32_t> filler(std::max(1, context), prompts[0][0]);
-    TargetInput input{sequences.back(), filler, false};
-    TargetResult result;
-    target->forward({&input, 1}, TargetRequest{}, result);
-    next.push_back(result.tokens[0]);
+  if (scheduled("threshold") && source.drafter && !source.drafter->config.sts)
+    std::fprintf(stderr, "note: %s has no config.sts (run dspark calibrate): threshold prunes nothing\n",
+                 flags.draft.c_str());
+  if (scheduled("alg1") && !source.drafter)
+    std::fprintf(stderr, "note: -d %s gives no confidences: alg1 verifies every proposed token\n",
+                 flags.draft.c_str());
+  // The drafter again without threshold pruning, for off and alg1 (its
+  // confidences still carry the STS temperatures).
+  std::unique_ptr<DraftSource> unpruned;
+  if (source.drafter)
+    unpruned = std::make_unique<DSparkSource>(*source.drafter, source.head->view(), 0.0f, false);
+  std::unique_ptr<PrefixScheduler> scheduler;
+  std::string sps_note;
+  if (scheduled("alg1")) {
+    SpsProfileOptions profile_options;
+    profile_options.max_tokens = *std::max_element(batches.begin(), batches.end()) * (gamma + 1);
+    profile_options.taps = source.source->tap_layers();
+    const std::filesystem::path cache =
+        flags.sps_cache.empty() ? default_sps_cache_path() : std::filesystem::path(flags.sps_cache);
+    bool measured = false;
+    scheduler = std::make_unique<PrefixScheduler>(
+        cached_sps_profile(*target, std::filesystem::weakly_canonical(flags.model).string(), profile_options, cache,
+                           flags.reprofile, &measured));
+    sps_note = std::string(measured ? "measured, stored in " : "read from ") + cache.string();
   }
-  const double t1 = verify_seconds(*target, sequences, next, 1);
-  const double t_block = verify_seconds(*target, sequences, next, gamma + 1);
-  for (int sequence : sequences) target->release_sequence(sequence);
 
-  const double plain_rate = plain_tokens / plain_seconds, spec_rate = spec_tokens / spec_seconds;
-  const double speedup = spec_rate / plain_rate, ideal = stats.tau() * t1 / t_block;
+  struct Point {
+    int batch = 0;
+    size_t requests = 0;
+    ModeResult plain;
+    std::vector<ModeResult> modes;  // one per schedule
+  };
+  std::vector<Point> points;
+  for (const int batch : batches) {
+    // At least one full batch: fewer prompts than the batch are repeated to fill it.
+    std::vector<std::vector<int32_t>> requests = prompts;
+    for (size_t i = 0; requests.size() < size_t(batch); ++i) requests.push_back(prompts[i % prompts.size()]);
+    auto chunk_of = [&](size_t begin) {
+      return std::span<const std::vector<int32_t>>(requests).subspan(begin,
+                                                                     std::min<size_t>(batch, requests.size() - begin));
+    };
+    Point point;
+    point.batch = batch;
+    point.requests = requests.size();
+    point.modes.resize(schedules.size());
+    std::vector<std::vector<int32_t>> plain_outputs;
+    auto run_plain = [&](std::span<const std::vector<int32_t>> chunk, ModeResult* record) {
+      GenerateOptions options;
+      options.max_new_tokens = flags.max_new_tokens;
+      options.sampling = sampling;
+      options.seed = flags.seed;
+      const auto plain = generate_batch(*target, chunk, options);
+      if (!record) return;
+      record->seconds += plain[0].prefill_seconds + plain[0].decode_seconds;
+      for (const auto& result : plain) {
+        record->tokens += long(result.tokens.size());
+        plain_outputs.push_back(result.tokens);
+      }
+    };
+    auto run_spec = [&](std::span<const std::vector<int32_t>> chunk, size_t first, const std::string& schedule,
+                        ModeResult* record) {
+      SpeculativeOptions options;
+      options.max_new_tokens = flags.max_new_tokens;
+      options.sampling = sampling;
+      options.seed = flags.seed;
+      options.gamma = gamma;
+      options.scheduler = schedule == "alg1" ? scheduler.get() : nullptr;
+      DraftSource& drafts = schedule == "threshold" || !unpruned ? *source.source : *unpruned;
+      SpeculativeTiming timing;
+      const auto spec = speculative_generate(*target, drafts, chunk, options, &timing);
+      if (!record) return;
+      record->seconds += timing.prefill_seconds + timing.decode_seconds;
+      for (size_t i = 0; i < spec.size(); ++i) {
+        record->tokens += long(spec[i].tokens.size());
+        record->matched += spec[i].tokens == plain_outputs[first + i];
+        record->stats.add(spec[i].stats);
+      }
+    };
+    // An untimed pass first: GEMM algorithm choice and CUDA graph capture happen
+    // on a shape's first uses, and every mode should be measured warm.
+    run_plain(chunk_of(0), nullptr);
+    for (const std::string& schedule : schedules) run_spec(chunk_of(0), 0, schedule, nullptr);
+    for (size_t begin = 0; begin < requests.size(); begin += batch) run_plain(chunk_of(begin), &point.plain);
+    for (size_t m = 0; m < schedules.size(); ++m)
+      for (size_t begin = 0; begin < requests.size(); begin += batch)
+        run_spec(chunk_of(begin), begin, schedules[m], &point.modes[m]);
+    points.push_back(std::move(point));
+  }
+
+  auto mode_json = [&](const Point& point, const ModeResult& mode) {
+    const SpeculativeStats& stats = mode.stats;
+    return Json{{"tokens_per_s", mode.tokens_per_s()},
+                {"speedup", mode.tokens_per_s() / point.plain.tokens_per_s()},
+                {"tau", stats.tau()},
+                {"proposed_per_round", stats.rounds ? double(stats.proposed) / stats.rounds : 0.0},
+                {"verified_per_round", stats.rounds ? double(stats.drafted) / stats.rounds : 0.0},
+                {"acceptance_by_position", stats.acceptance_by_position()},
+                {"outputs_matched", mode.matched},
+                {"all_outputs_match", mode.matched == long(point.requests)}};
+  };
+  if (!flags.plot.empty()) {
+    std::vector<PlotSeries> series;
+    const Marker markers[] = {Marker::square, Marker::triangle, Marker::diamond, Marker::cross};
+    series.push_back({"plain", {}, {}, true, false, Marker::circle});
+    for (size_t m = 0; m < schedules.size(); ++m) series.push_back({schedules[m], {}, {}, true, false, markers[m % 4]});
+    for (const Point& point : points) {
+      series[0].x.push_back(point.batch), series[0].y.push_back(point.plain.tokens_per_s());
+      for (size_t m = 0; m < schedules.size(); ++m)
+        series[m + 1].x.push_back(point.batch), series[m + 1].y.push_back(point.modes[m].tokens_per_s());
+    }
+    PlotOptions axes;
+    axes.log_x = batches.size() > 1;
+    char title[256];
+    std::snprintf(title, sizeof title, "Throughput, %s, gamma %d, temperature %.2f",
+                  target->device_description().c_str(), gamma, flags.temperature);
+    write_line_plot(flags.plot, title, "batch size (requests decoded together)", "tokens/s", series, axes);
+  }
+
+  if (points.size() == 1 && schedules.size() == 1) {
+    // The verify cost at this batch size and a typical context.
+    const Point& point = points[0];
+    const ModeResult& mode = point.modes[0];
+    const int batch = point.batch;
+    size_t total_length = 0;
+    for (const auto& prompt : prompts) total_length += prompt.size();
+    const int context = std::min<int>(config.max_positions - gamma - 2, int(total_length / prompts.size()));
+    std::vector<int> sequences;
+    std::vector<int32_t> next;
+    for (int b = 0; b < batch; ++b) {
+      sequences.push_back(target->create_sequence(context + gamma + 1));
+      std::vector<int32_t> filler(std::max(1, context), prompts[0][0]);
+      TargetInput input{sequences.back(), filler, false};
+      TargetResult result;
+      target->forward({&input, 1}, TargetRequest{}, result);
+      next.push_back(result.tokens[0]);
+    }
+    const double t1 = verify_seconds(*target, sequences, next, 1);
+    const double t_block = verify_seconds(*target, sequences, next, gamma + 1);
+    for (int sequence : sequences) target->release_sequence(sequence);
+
+    const double plain_rate = point.plain.tokens_per_s(), spec_rate = mode.tokens_per_s();
+    const double speedup = spec_rate / plain_rate, ideal = mode.stats.tau() * t1 / t_block;
+    Json out = mode_json(point, mode);
+    out.update({{"device", target->device_description()},
+                {"draft", flags.draft},
+                {"schedule", schedules[0]},
+                {"prompts", prompts.size()},
+                {"requests", point.requests},
+                {"batch", batch},
+                {"gamma", gamma},
+                {"temperature", flags.temperature},
+                {"plain_tokens_per_s", plain_rate},
+                {"spec_tokens_per_s", spec_rate},
+                {"verify_cost_ratio", t_block / t1},
+                {"ideal_speedup", ideal},
+                {"efficiency", speedup / ideal}});
+    out.erase("tokens_per_s");
+    if (!sps_note.empty()) out["sps_profile"] = sps_note;
+    if (flags.plot.size()) out["plot"] = flags.plot;
+    if (flags.json) {
+      std::cout << out.dump() << std::endl;
+      return;
+    }
+    std::printf("%s, %zu prompts, batch %d, gamma %d, temperature %.2f, draft %s, schedule %s\n",
+                out["device"].get<std::string>().c_str(), prompts.size(), batch, gamma, flags.temperature,
+                flags.draft.c_str(), schedules[0].c_str());
+    std::printf("tau %.3f; %.2f of %.2f proposed tokens verified per round; acceptance by position:",
+                mode.stats.tau(), out["verified_per_round"].get<double>(), out["proposed_per_round"].get<double>());
+    for (double rate : mode.stats.acceptance_by_position()) std::printf(" %.2f", rate);
+    std::printf("\nplain %.1f tokens/s, speculative %.1f tokens/s: %.2fx (ideal %.2fx = tau x t(1)/t(%d) with "
+                "t(%d)/t(1) = %.2f; efficiency %.0f%%)\n",
+                plain_rate, spec_rate, speedup, ideal, gamma + 1, gamma + 1, t_block / t1, 100.0 * speedup / ideal);
+    std::printf("outputs identical to plain decoding: %ld of %zu\n", mode.matched, point.requests);
+    if (!sps_note.empty()) std::printf("SPS profile %s\n", sps_note.c_str());
+    return;
+  }
+
   Json out = {{"device", target->device_description()},
               {"draft", flags.draft},
               {"prompts", prompts.size()},
-              {"batch", flags.batch},
               {"gamma", gamma},
               {"temperature", flags.temperature},
-              {"tau", stats.tau()},
-              {"acceptance_by_position", stats.acceptance_by_position()},
-              {"plain_tokens_per_s", plain_rate},
-              {"spec_tokens_per_s", spec_rate},
-              {"speedup", speedup},
-              {"verify_cost_ratio", t_block / t1},
-              {"ideal_speedup", ideal},
-              {"efficiency", speedup / ideal},
-              {"outputs_matched", matched},
-              {"all_outputs_match", matched == long(prompts.size())}};
+              {"schedules", schedules},
+              {"points", Json::array()}};
+  if (!sps_note.empty()) out["sps_profile"] = sps_note;
+  if (flags.plot.size()) out["plot"] = flags.plot;
+  for (const Point& point : points) {
+    Json entry = {{"batch", point.batch},
+                  {"requests", point.requests},
+                  {"plain_tokens_per_s", point.plain.tokens_per_s()},
+                  {"schedules", Json::object()}};
+    for (size_t m = 0; m < schedules.size(); ++m) entry["schedules"][schedules[m]] = mode_json(point, point.modes[m]);
+    out["points"].push_back(entry);
+  }
   if (flags.json) {
     std::cout << out.dump() << std::endl;
     return;
   }
-  std::printf("%s, %zu prompts, batch %d, gamma %d, temperature %.2f, draft %s\n",
-              out["device"].get<std::string>().c_str(), prompts.size(), flags.batch, gamma, flags.temperature,
-              flags.draft.c_str());
-  std::printf("tau %.3f; acceptance by position:", stats.tau());
-  for (double rate : stats.acceptance_by_position()) std::printf(" %.2f", rate);
-  std::printf("\nplain %.1f tokens/s, speculative %.1f tokens/s: %.2fx (ideal %.2fx = tau x t(1)/t(%d) with "
-              "t(%d)/t(1) = %.2f; efficiency %.0f%%)\n",
-              plain_rate, spec_rate, speedup, ideal, gamma + 1, gamma + 1, t_block / t1, 100.0 * speedup / ideal);
-  std::printf("outputs identical to plain decoding: %ld of %zu\n", matched, prompts.size());
+  std::printf("%s, %zu prompts, gamma %d, temperature %.2f, draft %s\n", out["device"].get<std::string>().c_str(),
+              prompts.size(), gamma, flags.temperature, flags.draft.c_str());
+  std::printf("tokens/s (speed-up over plain, tau, tokens verified per round; * = an output differed)\n");
+  std::printf("batch  requests     plain");
+  for (const std::string& schedule : schedules) std::printf("  %30s", schedule.c_str());
+  std::printf("\n");
+  for (const Json& entry : out["points"]) {
+    std::printf("%5d  %8zu  %8.1f", entry["batch"].get<int>(), entry["requests"].get<size_t>(),
+                entry["plain_tokens_per_s"].get<double>());
+    for (const std::string& schedule : schedules) {
+      const Json& mode = entry["schedules"][schedule];
+      char cell[64];
+      std::snprintf(cell, sizeof cell, "%.1f (%.2fx, %.2f, %.2f)%s", mode["tokens_per_s"].get<double>(),
+                    mode["speedup"].get<double>(), mode["tau"].get<double>(),
+                    mode["verified_per_round"].get<double>(), mode["all_outputs_match"].get<bool>() ? " " : "*");
+      std::printf("  %30s", cell);
+    }
+    std::printf("\n");
+  }
+  if (!sps_note.empty()) std::printf("SPS profile %s\n", sps_note.c_str());
+  if (!flags.plot.empty()) std::printf("wrote %s\n", flags.plot.c_str());
 }
 
 }  // namespace
@@ -311,8 +477,19 @@ void add_bench_command(CLI::App& app) {
   spec->add_option("-m,--model", spec_flags->model, "the target's HF model directory")->capture_default_str();
   spec->add_option("-d,--draft", spec_flags->draft, "a DSpark drafter directory, or ngram")->required();
   spec->add_option("--prompts", spec_flags->prompts, "JSONL file of {\"prompt\"} or {\"messages\"}")->required();
-  spec->add_option("--batch", spec_flags->batch, "requests decoded together")->capture_default_str()
-      ->check(CLI::Range(1, 256));
+  CLI::Option* batch_option =
+      spec->add_option("--batch", spec_flags->batches, "requests decoded together; a list (1,4,16) runs each")
+          ->capture_default_str()->delimiter(',')->check(CLI::Range(1, 256));
+  spec->add_flag("--sweep", spec_flags->sweep, "batch sizes 1, 2, 4, ..., 64")->excludes(batch_option);
+  spec->add_option("--schedule", spec_flags->schedules,
+                   "off, threshold (config.sts) or alg1 (prefix scheduler), or a list; default threshold, "
+                   "or all three for several batch sizes")
+      ->delimiter(',')->check(CLI::IsMember({"off", "threshold", "alg1"}));
+  spec->add_option("--plot", spec_flags->plot, "write tokens/s against batch size to this PNG");
+  spec->add_option("--sps-cache", spec_flags->sps_cache,
+                   "alg1's SPS(B) profile cache (default $DSPARK_CACHE_DIR/sps.json, else "
+                   "$XDG_CACHE_HOME or ~/.cache /dspark/sps.json)");
+  spec->add_flag("--reprofile", spec_flags->reprofile, "measure SPS(B) again even when cached");
   spec->add_option("--gamma", spec_flags->gamma, "most tokens drafted per round (default: the drafter's)")
       ->check(CLI::Range(1, 64));
   spec->add_option("-n,--max-tokens", spec_flags->max_new_tokens, "tokens per prompt")->capture_default_str()

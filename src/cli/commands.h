@@ -25,5 +25,6 @@ void add_bench_command(CLI::App& app);
 void add_draft_init_command(CLI::App& app);
 void add_regen_command(CLI::App& app);
 void add_train_command(CLI::App& app);
+void add_calibrate_command(CLI::App& app);
 
 }  // namespace dspark::cli

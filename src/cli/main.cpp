@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   dspark::cli::add_draft_init_command(app);
   dspark::cli::add_regen_command(app);
   dspark::cli::add_train_command(app);
+  dspark::cli::add_calibrate_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& error) {

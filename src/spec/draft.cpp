@@ -214,10 +214,8 @@ void draft(const Drafter& drafter, const TargetHead& head, std::span<const Draft
   const DrafterConfig& c = drafter.config;
   const int gamma = c.gamma, d = c.d_draft, V = drafter.dims.vocab_size;
   const int limit = options.max_tokens > 0 ? std::min(options.max_tokens, gamma) : gamma;
-  const std::vector<float>& thresholds =
-      !options.thresholds.empty() ? options.thresholds
-      : c.sts                     ? c.sts->thresholds
-                                  : options.thresholds;
+  const bool calibrated = options.thresholds.empty() && c.sts && options.calibrated_thresholds;
+  const std::vector<float>& thresholds = calibrated ? c.sts->thresholds : options.thresholds;
   DSPARK_CHECK(thresholds.empty() || thresholds.size() >= size_t(limit), "draft thresholds: ", thresholds.size(),
                " for ", limit, " positions");
   std::vector<const DraftContext*> contexts;

@@ -5,6 +5,11 @@
 // with the row's own seeded stream) and feeding it to the next position.
 // Pruning stops a row at the first position k >= 1 whose confidence falls
 // below its threshold; position 0 is always kept.
+//
+// Calibration (config.sts, fitted by `dspark calibrate`, train/calibrate.h):
+// every confidence the drafter reports is the calibrated one, its logit
+// divided by the position's STS temperature, and the per-position thresholds
+// are compared with that calibrated value (they were fitted on it).
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -50,11 +55,12 @@ struct DraftContext {
 void extend_draft_context(const Drafter& drafter, DraftContext& context, const float* tapped_rows, int count);
 
 struct DraftOptions {
-  cpu::SamplingParams sampling;   // greedy at temperature 0
-  std::vector<float> thresholds;  // [γ] per-position confidence thresholds; empty: none
-  float min_confidence = 0.0f;    // a uniform threshold; 0: none
-  int max_tokens = 0;             // draft at most this many (<= γ); 0: γ
-  bool collect_logits = false;    // return each drafted position's logits
+  cpu::SamplingParams sampling;       // greedy at temperature 0
+  std::vector<float> thresholds;      // [γ] per-position confidence thresholds; empty: config.sts's, if any
+  bool calibrated_thresholds = true;  // prune by config.sts thresholds when `thresholds` is empty
+  float min_confidence = 0.0f;        // a uniform threshold; 0: none
+  int max_tokens = 0;                 // draft at most this many (<= γ); 0: γ
+  bool collect_logits = false;        // return each drafted position's logits
 };
 
 struct DraftRequest {

@@ -31,6 +31,7 @@ void DSparkSource::propose(std::span<const int> rows, std::span<const int32_t> p
   DraftOptions options;
   options.sampling = sampling;
   options.min_confidence = min_confidence_;
+  options.calibrated_thresholds = calibrated_thresholds_;
   options.max_tokens = longest;
   options.collect_logits = !sampling.greedy();
   draft(drafter_, head_, requests, options, workspace_, results_);

@@ -12,8 +12,15 @@ namespace dspark {
 class DSparkSource final : public DraftSource {
  public:
   // `head` points into the target's weights, which must outlive the source.
-  DSparkSource(const Drafter& drafter, const TargetHead& head, float min_confidence = 0.0f)
-      : drafter_(drafter), head_(head), min_confidence_(min_confidence) {}
+  // `calibrated_thresholds`: prune by the drafter's config.sts thresholds
+  // (off when a scheduler decides the lengths instead; the STS temperatures
+  // still apply to the reported confidences).
+  DSparkSource(const Drafter& drafter, const TargetHead& head, float min_confidence = 0.0f,
+               bool calibrated_thresholds = true)
+      : drafter_(drafter),
+        head_(head),
+        min_confidence_(min_confidence),
+        calibrated_thresholds_(calibrated_thresholds) {}
   std::vector<int> tap_layers() const override { return drafter_.config.tap_layers; }
   void begin(int row, std::span<const int32_t> prompt, uint64_t seed) override;
   void accept(int row, std::span<const int32_t> tokens, const float* tapped_rows) override;
@@ -29,6 +36,7 @@ class DSparkSource final : public DraftSource {
   const Drafter& drafter_;
   TargetHead head_;
   float min_confidence_;
+  bool calibrated_thresholds_;
   std::map<int, RowState> rows_;
   DraftWorkspace workspace_;
   std::vector<DraftResult> results_;

@@ -7,6 +7,7 @@
 #include "core/random.h"
 #include "model/generate.h"
 #include "spec/acceptance.h"
+#include "spec/scheduler.h"
 
 namespace dspark {
 
@@ -19,6 +20,7 @@ std::vector<double> SpeculativeStats::acceptance_by_position() const {
 
 void SpeculativeStats::add(const SpeculativeStats& other) {
   rounds += other.rounds;
+  proposed += other.proposed;
   drafted += other.drafted;
   accepted += other.accepted;
   drafted_at.resize(std::max(drafted_at.size(), other.drafted_at.size()));
@@ -94,7 +96,8 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   }
   const auto prefill_done = Clock::now();
 
-  std::vector<int> active, limits;
+  std::vector<int> active, limits, verify_counts;
+  std::vector<long> proposed_counts;
   std::vector<int32_t> pending;
   std::vector<Proposal> proposals;
   std::vector<std::vector<int32_t>> blocks;
@@ -120,13 +123,45 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     }
     if (active.empty()) break;
     source.propose(active, pending, limits, options.sampling, proposals);
+    proposed_counts.clear();
+    for (size_t i = 0; i < active.size(); ++i) {
+      Proposal& proposal = proposals[i];
+      if (int(proposal.tokens.size()) > limits[i]) proposal.tokens.resize(limits[i]);
+      if (proposal.confidence.size() > proposal.tokens.size()) proposal.confidence.resize(proposal.tokens.size());
+      if (proposal.probs.size() > proposal.tokens.size() * V) proposal.probs.resize(proposal.tokens.size() * V);
+      proposed_counts.push_back(long(proposal.tokens.size()));
+    }
+
+    // The scheduler keeps a prefix of each proposal. Cutting AFTER drafting
+    // is lossless. The source drew x_0, x_1, ... in order, x_j from q_j(. | x_<j).
+    // The scheduler's decision to verify x_j reads only confidences c_{r,i},
+    // i <= j, each computed before x_i was drawn (c_i sees x_<i), plus other
+    // rows' confidences (independent streams); it never reads x_j or anything
+    // drawn after it (Alg 1's early stop guarantees this: a candidate's fate
+    // depends only on the candidates walked before it). So, given x_<j and the
+    // decision to verify position j, x_j is still distributed as q_j(. | x_<j),
+    // and min(1, p/q) acceptance with residual resampling emits p exactly;
+    // when position j is cut, the target's own sample of p is emitted there
+    // instead, which is also p. Drawing a token and discarding it is the same,
+    // in law, as never drawing it: the draft stream is separate from the
+    // acceptance stream, so nothing downstream sees the discarded draws.
+    // Greedy output is the target's argmax whatever prefix is verified.
+    if (options.scheduler) {
+      options.scheduler->schedule(proposals, verify_counts);
+      for (size_t i = 0; i < active.size(); ++i) {
+        Proposal& proposal = proposals[i];
+        const size_t keep = std::min(proposal.tokens.size(), size_t(std::max(0, verify_counts[i])));
+        proposal.tokens.resize(keep);
+        if (proposal.confidence.size() > keep) proposal.confidence.resize(keep);
+        if (!proposal.probs.empty()) proposal.probs.resize(keep * size_t(V));
+      }
+    }
 
     // One verify forward: each active request's [pending, drafts...].
     inputs.clear();
     blocks.assign(active.size(), {});
     for (size_t i = 0; i < active.size(); ++i) {
       Proposal& proposal = proposals[i];
-      if (int(proposal.tokens.size()) > limits[i]) proposal.tokens.resize(limits[i]);
       blocks[i].push_back(pending[i]);
       blocks[i].insert(blocks[i].end(), proposal.tokens.begin(), proposal.tokens.end());
       inputs.push_back({requests[active[i]].sequence, blocks[i], true});
@@ -160,6 +195,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
 
       SpeculativeStats& stats = request.result.stats;
       ++stats.rounds;
+      stats.proposed += proposed_counts[i];
       stats.drafted += n;
       stats.accepted += verdict.accepted;
       for (int k = 0; k < n; ++k) ++stats.drafted_at[k];

@@ -16,6 +16,8 @@
 
 namespace dspark {
 
+class VerifyScheduler;  // spec/scheduler.h
+
 struct SpeculativeOptions {
   int max_new_tokens = 128;
   cpu::SamplingParams sampling;  // greedy at temperature 0
@@ -23,6 +25,9 @@ struct SpeculativeOptions {
   bool ignore_eos = false;
   int gamma = 8;                 // most tokens drafted per round
   bool trace = false;            // keep every round's draft, verdict and emitted tokens
+  // Decides how much of each proposal one round verifies (e.g. Alg 1,
+  // spec/scheduler.h); null: all of it. Not owned.
+  VerifyScheduler* scheduler = nullptr;
 };
 
 struct RoundTrace {
@@ -33,7 +38,8 @@ struct RoundTrace {
 };
 
 struct SpeculativeStats {
-  long rounds = 0, drafted = 0, accepted = 0;
+  long rounds = 0, drafted = 0, accepted = 0;  // drafted: tokens verified
+  long proposed = 0;                           // tokens the source proposed (>= drafted with a scheduler)
   std::vector<long> drafted_at, accepted_at;  // [γ] rounds that drafted / accepted position k
   // Tokens emitted per target verify forward: sum(accepted + 1) / rounds (plain decoding: 1).
   double tau() const { return rounds ? double(accepted + rounds) / rounds : 0.0; }

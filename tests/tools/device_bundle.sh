@@ -2,7 +2,8 @@
 # Packs what a GPU machine without our Debian packages needs into .device/
 # (git-ignored; pass it to the device tool as a carried path): the dspark and
 # dspark_cuda_tests binaries built here, and the shared libraries they load
-# that a CUDA image lacks (OpenBLAS, PCRE2, utf8proc and their runtimes).
+# that a CUDA image lacks (OpenBLAS, PCRE2, utf8proc, PLplot and their
+# runtimes; the cairo driver and its libraries for PNG plots, packed).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 scripts/build.sh >/dev/null
@@ -12,4 +13,35 @@ for library in libopenblas.so.0 libpcre2-8.so.0 libutf8proc.so.2 libgfortran.so.
   path=$(ldd build/dspark | awk -v name="$library" '$1 == name { print $3 }')
   [ -n "$path" ] && cp -L "$path" ".device/lib/$library"
 done
+
+# Copies every library `binary` loads into directory $2, except the C/C++
+# runtime and CUDA (the image has its own) and what .device/lib holds.
+copy_libraries() {
+  ldd "$1" | awk '$3 ~ /^\// { print $1, $3 }' | while read -r name path; do
+    case "$name" in
+      libc.so.* | libm.so.* | libstdc++.so.* | libgcc_s.so.* | ld-linux* | libpthread.so.* | libdl.so.* | \
+        librt.so.* | libcu* | libnv*) continue ;;  # CUDA: the image has its own
+    esac
+    [ -e ".device/lib/$name" ] || [ -e "$2/$name" ] || cp -L "$path" "$2/$name"
+  done
+}
+# PLplot and what it links (the binaries need them to start).
+copy_libraries build/dspark .device/lib
+copy_libraries build/dspark_cuda_tests .device/lib
+# PNG plots: PLplot's cairo driver (loaded at run time through PLPLOT_DRV_DIR)
+# with the cairo / pango / X11 libraries it loads, PLplot's data files
+# (PLPLOT_LIB) and one font (FONTCONFIG_FILE), packed into
+# .device/plot-runtime.tar.gz (14 MB unpacked); run_cuda_checks.sh unpacks it.
+# Without it the binaries run and only --plot fails, with an error that says why.
+staging=$(mktemp -d)
+mkdir -p "$staging/lib" "$staging/plplot/drivers" "$staging/plplot/data" "$staging/fonts"
+drivers=$(pkg-config --variable=drvdir plplot)
+cp "$drivers/cairo.so" "$drivers/cairo.driver_info" "$staging/plplot/drivers/"
+cp /usr/share/plplot5*/*.fnt /usr/share/plplot5*/*.pal "$staging/plplot/data/"
+cp "$(fc-match -f '%{file}' 'DejaVu Sans')" "$staging/fonts/"
+printf '<?xml version="1.0"?>\n<fontconfig><dir prefix="relative">.</dir><cachedir>/tmp/dspark-fontconfig</cachedir></fontconfig>\n' \
+  >"$staging/fonts/fonts.conf"
+copy_libraries "$drivers/cairo.so" "$staging/lib"
+tar -C "$staging" -czf .device/plot-runtime.tar.gz .
+rm -rf "$staging"
 du -sh .device

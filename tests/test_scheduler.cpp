@@ -1,0 +1,225 @@
+// The hardware-aware prefix scheduler (Alg 1): SPS interpolation, the walk in
+// descending survival with its early stop (hand-computed cases), rows without
+// confidences, and the measured SPS profile with its cache file.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "cli_runner.h"
+#include "core/file.h"
+#include "golden.h"
+#include "model/cpu_target.h"
+#include "random_drafter.h"
+#include "spec/drafter.h"
+#include "spec/scheduler.h"
+
+namespace dspark {
+namespace {
+
+using testing::TemporaryDirectory;
+
+// A profile from (B, SPS) pairs.
+SpsProfile profile(std::vector<int> tokens, std::vector<double> rates) { return {std::move(tokens), std::move(rates)}; }
+
+TEST(SpsProfile, InterpolatesStepTimeAndExtrapolatesPastTheLastPoint) {
+  // Step times 10 ms at B = 1, 20 ms at B = 5, 30 ms at B = 9.
+  const SpsProfile sps = profile({1, 5, 9}, {100.0, 50.0, 1000.0 / 30});
+  EXPECT_DOUBLE_EQ(sps.at(1), 100.0);
+  EXPECT_DOUBLE_EQ(sps.at(0), 100.0);           // below the first point: the first
+  EXPECT_NEAR(sps.at(3), 1000.0 / 15, 1e-9);    // halfway: 15 ms
+  EXPECT_NEAR(sps.at(8), 1000.0 / 27.5, 1e-9);  // 20 + 3/4 * 10 ms
+  EXPECT_NEAR(sps.at(13), 1000.0 / 40, 1e-9);   // past the end: 2.5 ms more per token
+  const SpsProfile flat_end = profile({1, 4}, {100.0, 100.0});
+  EXPECT_DOUBLE_EQ(flat_end.at(100), 100.0);
+  const SpsProfile round_trip = SpsProfile::from_json(sps.to_json(), "test");
+  EXPECT_EQ(round_trip.tokens, sps.tokens);
+  EXPECT_EQ(round_trip.steps_per_second, sps.steps_per_second);
+  EXPECT_NE(testing::error_of([] {
+              SpsProfile::from_json(Json{{"tokens", {1, 1}}, {"steps_per_second", {1, 1}}}, "x");
+            }).find("ascending"),
+            std::string::npos);
+}
+
+TEST(SpsProfile, PointsCoverPowersOfTwoAndTheirMidpoints) {
+  EXPECT_EQ(sps_profile_points(64), (std::vector<int>{1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64}));
+  EXPECT_EQ(sps_profile_points(100), (std::vector<int>{1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100}));
+  EXPECT_EQ(sps_profile_points(1), (std::vector<int>{1}));
+}
+
+TEST(PrefixSchedule, AdmitsInDescendingSurvivalWhileThroughputRises) {
+  // Survival: row 0 {0.9, 0.45}, row 1 {0.6}. Walk 0.9, 0.6, 0.45 from B = 2, τ* = 2 (rate 200):
+  // 2.9 x SPS(3) = 261 > 200; 3.5 x SPS(4) = 262.5 > 261; 3.95 x SPS(5) = 276.5 > 262.5: all in.
+  const std::vector<std::vector<float>> confidences = {{0.9f, 0.5f}, {0.6f}};
+  EXPECT_EQ(prefix_schedule(confidences, profile({2, 3, 4, 5}, {100, 90, 75, 70})), (std::vector<int>{2, 1}));
+  // SPS(5) = 66: 3.95 x 66 = 260.7 < 262.5, so the third admission stops the walk.
+  EXPECT_EQ(prefix_schedule(confidences, profile({2, 3, 4, 5}, {100, 90, 75, 66})), (std::vector<int>{1, 1}));
+  // SPS(3) = 60: 2.9 x 60 = 174 < 200, nothing is verified.
+  EXPECT_EQ(prefix_schedule(confidences, profile({2, 3, 4, 5}, {100, 60, 75, 70})), (std::vector<int>{0, 0}));
+  // A flat SPS (memory-bound verify) admits every position with survival > 0.
+  EXPECT_EQ(prefix_schedule(confidences, profile({1}, {50})), (std::vector<int>{2, 1}));
+  // ... but not one of survival 0 (no strict gain), nor anything after it.
+  EXPECT_EQ(prefix_schedule(std::vector<std::vector<float>>{{0.7f, 0.0f, 1.0f}}, profile({1}, {50})),
+            (std::vector<int>{1}));
+  EXPECT_TRUE(prefix_schedule({}, profile({1}, {50})).empty());
+}
+
+TEST(PrefixSchedule, StopsAtTheFirstAdmissionThatDoesNotPay) {
+  // One row, c = {0.6, 0.9}: survival 0.6 then 0.54. SPS(1) = 100, SPS(2) = 60, SPS(3) = 59.
+  // Admitting 0.6: 1.6 x 60 = 96 < 100, so stop, though admitting both would
+  // give 2.14 x 59 = 126: deciding position 0 by position 1's confidence (which
+  // reads the drafted token 0) is exactly what the early stop forbids.
+  const SpsProfile non_concave = profile({1, 2, 3}, {100, 60, 59});
+  EXPECT_EQ(prefix_schedule(std::vector<std::vector<float>>{{0.6f, 0.9f}}, non_concave), (std::vector<int>{0}));
+}
+
+TEST(PrefixSchedule, TiesKeepEachRowAPrefixAndExtraTokensCountInB) {
+  const std::vector<std::vector<float>> certain = {{1.0f, 1.0f, 1.0f}, {1.0f, 1.0f}};
+  EXPECT_EQ(prefix_schedule(certain, profile({1}, {10})), (std::vector<int>{3, 2}));
+  // Step time 1 + B/10: B = 2 gives rate 2 / 1.2; admitting 0.5 at B = 3: 2.5 / 1.3 > 2 / 1.2.
+  const SpsProfile linear = profile({1, 1001}, {1 / 1.1, 1 / 101.1});
+  const std::vector<std::vector<float>> one = {{0.5f}, {}};
+  EXPECT_EQ(prefix_schedule(one, linear), (std::vector<int>{1, 0}));
+  // Admitting a at B pays when a > τ* / (10 + B): 2 / 12 = 0.167 at B = 2, but
+  // 2 / 42 = 0.048 when 30 tokens are verified anyway (B = 32): 0.1 is out, then in.
+  EXPECT_EQ(prefix_schedule(std::vector<std::vector<float>>{{0.1f}, {}}, linear, 0), (std::vector<int>{0, 0}));
+  EXPECT_EQ(prefix_schedule(std::vector<std::vector<float>>{{0.1f}, {}}, linear, 30), (std::vector<int>{1, 0}));
+}
+
+TEST(PrefixScheduler, RowsWithoutConfidencesAreVerifiedWhole) {
+  std::vector<Proposal> proposals(3);
+  proposals[0].tokens = {5, 6, 7}, proposals[0].confidence = {0.9f, 0.1f, 0.9f};
+  proposals[1].tokens = {8, 9};  // an n-gram proposal: no confidences
+  // proposals[2]: nothing proposed
+  PrefixScheduler scheduler(profile({1, 1001}, {1 / 1.1, 1 / 101.1}));
+  std::vector<int> verify;
+  scheduler.schedule(proposals, verify);
+  // B starts at 3 + 2; rate 3 / 1.5 = 2. 0.9: 3.9 / 1.6 = 2.44 in; 0.09: 3.99 / 1.7 = 2.35 out.
+  EXPECT_EQ(verify, (std::vector<int>{1, 2, 0}));
+}
+
+TEST(SpsProfile, MeasuredOnceAndCachedPerDeviceAndModel) {
+  TemporaryDirectory directory;
+  const auto cache = directory.path / "nested" / "sps.json";
+  CpuTarget target(load_transformer(testing::golden_model("qwen3")));
+  SpsProfileOptions options;
+  options.max_tokens = 12;
+  options.context = 16;
+  options.runs = 2;
+  bool measured = false;
+  const SpsProfile first = cached_sps_profile(target, "qwen3-key", options, cache, false, &measured);
+  EXPECT_TRUE(measured);
+  EXPECT_EQ(first.tokens, sps_profile_points(12));
+  for (size_t i = 0; i < first.tokens.size(); ++i) {
+    EXPECT_GT(first.steps_per_second[i], 0.0);
+    if (i) {
+      EXPECT_LE(first.steps_per_second[i], first.steps_per_second[i - 1]);  // step time never decreasing
+    }
+  }
+  const SpsProfile again = cached_sps_profile(target, "qwen3-key", options, cache, false, &measured);
+  EXPECT_FALSE(measured);
+  EXPECT_EQ(again.steps_per_second, first.steps_per_second);
+  // Another model key is another entry; the first one stays.
+  cached_sps_profile(target, "other-key", options, cache, false, &measured);
+  EXPECT_TRUE(measured);
+  const Json stored = read_json_file(cache);
+  EXPECT_EQ(stored["profiles"].size(), 2u);
+  // Asking for more tokens than were measured measures again.
+  options.max_tokens = 20;
+  EXPECT_EQ(cached_sps_profile(target, "qwen3-key", options, cache, false, &measured).tokens.back(), 20);
+  EXPECT_TRUE(measured);
+  // A corrupt cache file is replaced, not fatal.
+  write_text_file_atomic(cache, "{not json");
+  cached_sps_profile(target, "qwen3-key", options, cache, false, &measured);
+  EXPECT_TRUE(measured);
+  EXPECT_TRUE(read_json_file(cache)["profiles"].is_object());
+}
+
+TEST(SpsProfile, DefaultCachePathFollowsTheEnvironment) {
+  const char* saved_dspark = std::getenv("DSPARK_CACHE_DIR");
+  const char* saved_xdg = std::getenv("XDG_CACHE_HOME");
+  const std::string dspark_value = saved_dspark ? saved_dspark : "", xdg_value = saved_xdg ? saved_xdg : "";
+  ::setenv("DSPARK_CACHE_DIR", "/tmp/a", 1);
+  EXPECT_EQ(default_sps_cache_path(), std::filesystem::path("/tmp/a/sps.json"));
+  ::unsetenv("DSPARK_CACHE_DIR");
+  ::setenv("XDG_CACHE_HOME", "/tmp/b", 1);
+  EXPECT_EQ(default_sps_cache_path(), std::filesystem::path("/tmp/b/dspark/sps.json"));
+  ::unsetenv("XDG_CACHE_HOME");
+  EXPECT_EQ(default_sps_cache_path().filename(), "sps.json");
+  EXPECT_EQ(default_sps_cache_path().parent_path().filename(), "dspark");
+  if (saved_dspark) ::setenv("DSPARK_CACHE_DIR", dspark_value.c_str(), 1);
+  if (saved_xdg) ::setenv("XDG_CACHE_HOME", xdg_value.c_str(), 1);
+}
+
+// bench spec with the schedules: a sweep over batch sizes prints every
+// schedule beside plain decoding (greedy outputs identical throughout), draws
+// the PNG, and caches Alg 1's SPS profile where it was told to.
+TEST(CliBenchSpec, SweepsBatchSizesAndSchedulesAndPlotsThroughput) {
+  TemporaryDirectory directory;
+  const ModelConfig target = load_model_config(testing::golden_model("qwen3"));
+  DrafterConfig config;
+  config.gamma = 4, config.d_draft = 32, config.num_layers = 1, config.num_heads = 4, config.markov_rank = 8;
+  config.tap_layers = default_tap_layers(target.num_layers);
+  Drafter drafter = init_drafter(config, {target.hidden_size, target.vocab_size, target.rms_norm_eps}, "qwen3", 3);
+  testing::randomize_parameters(drafter, 41, 3.0f);
+  drafter.config.sts = StsCalibration{{0.0f, 0.3f, 0.3f, 0.3f}, {1.0f, 1.0f, 1.0f, 1.0f}, 0.5f, 100};
+  save_drafter(drafter, directory.path / "drafter");
+  const auto prompts = directory.path / "prompts.jsonl";
+  write_text_file_atomic(prompts,
+                         "{\"prompt\": \"def f(x):\\n    return x\\n\\ndef f(x):\"}\n"
+                         "{\"prompt\": \"hello world hello world hello\"}\n");
+  const auto plot = directory.path / "sweep.png";
+  const auto cache = directory.path / "cache" / "sps.json";
+  const std::vector<std::string> common = {"bench",       "spec",
+                                           "-m",          testing::golden_model("qwen3").string(),
+                                           "-d",          (directory.path / "drafter").string(),
+                                           "--prompts",   prompts.string(),
+                                           "-n",          "12",
+                                           "--sps-cache", cache.string(),
+                                           "--json"};
+  std::vector<std::string> sweep = common;
+  sweep.insert(sweep.end(), {"--batch", "1,2,4", "--plot", plot.string()});
+  const auto result = testing::run_dspark(sweep);
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  const Json out = Json::parse(result.out);
+  EXPECT_EQ(out["schedules"], Json({"off", "threshold", "alg1"}));
+  ASSERT_EQ(out["points"].size(), 3u);
+  for (const Json& point : out["points"]) {
+    EXPECT_GT(point["plain_tokens_per_s"].get<double>(), 0.0);
+    EXPECT_EQ(point["requests"].get<int>(), std::max(2, point["batch"].get<int>()));  // prompts repeated to fill
+    for (const char* schedule : {"off", "threshold", "alg1"}) {
+      const Json& mode = point["schedules"][schedule];
+      EXPECT_TRUE(mode["all_outputs_match"].get<bool>()) << schedule << " at batch " << point["batch"];
+      EXPECT_GT(mode["tokens_per_s"].get<double>(), 0.0);
+    }
+    // off verifies every proposal; threshold and alg1 verify no more than off proposes.
+    EXPECT_DOUBLE_EQ(point["schedules"]["off"]["verified_per_round"].get<double>(),
+                     point["schedules"]["off"]["proposed_per_round"].get<double>());
+    EXPECT_LE(point["schedules"]["alg1"]["verified_per_round"].get<double>(),
+              point["schedules"]["alg1"]["proposed_per_round"].get<double>());
+  }
+  const std::string png = read_text_file(plot);
+  EXPECT_EQ(png.substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8));
+  EXPECT_GT(png.size(), 5000u);
+  ASSERT_TRUE(std::filesystem::exists(cache));
+  EXPECT_EQ(read_json_file(cache)["profiles"].size(), 1u);
+
+  // One batch size and one schedule: the single-run report, the cached profile reused.
+  std::vector<std::string> single = common;
+  single.insert(single.end(), {"--batch", "2", "--schedule", "alg1"});
+  const auto one = testing::run_dspark(single);
+  ASSERT_EQ(one.exit_code, 0) << one.err;
+  const Json report = Json::parse(one.out);
+  EXPECT_EQ(report["schedule"], "alg1");
+  EXPECT_TRUE(report["all_outputs_match"].get<bool>());
+  EXPECT_NE(report["sps_profile"].get<std::string>().find("read from"), std::string::npos);
+
+  std::vector<std::string> both = common;
+  both.insert(both.end(), {"--sweep", "--batch", "2"});
+  EXPECT_NE(testing::run_dspark(both).exit_code, 0);  // --sweep is its own list of batch sizes
+  std::vector<std::string> unknown = common;
+  unknown.insert(unknown.end(), {"--schedule", "fastest"});
+  EXPECT_NE(testing::run_dspark(unknown).exit_code, 0);
+}
+
+}  // namespace
+}  // namespace dspark
