@@ -179,6 +179,7 @@ class CudaTarget final : public Target {
   int sequence_length(int sequence) const override { return state(sequence).length; }
   void truncate_sequence(int sequence, int length) override;
   void forward(std::span<const TargetInput> inputs, const TargetRequest& request, TargetResult& result) override;
+  CudaTargetHead head() const { return {embed_tokens_.data(), lm_head_, stream_}; }
 
  private:
   // What one forward runs, after padding: the shapes every kernel launch sees.
@@ -672,6 +673,12 @@ void CudaTarget::run_step(const StepShape& shape, std::span<const int> taps, boo
 
 std::unique_ptr<Target> make_cuda_target(const std::filesystem::path& model_directory) {
   return std::make_unique<CudaTarget>(model_directory);
+}
+
+std::optional<CudaTargetHead> cuda_target_head(const Target& target) {
+  const auto* cuda_target = dynamic_cast<const CudaTarget*>(&target);
+  if (!cuda_target) return std::nullopt;
+  return cuda_target->head();
 }
 
 }  // namespace dspark

@@ -10,6 +10,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 namespace dspark::cuda {
 
 enum class MatmulOutput { BF16, F32 };
@@ -24,5 +26,24 @@ void matmul_forward(void* out, MatmulOutput out_type, const __nv_bfloat16* x, co
 void swiglu_matmul_forward(void* out, MatmulOutput out_type, const __nv_bfloat16* gate_up, __nv_bfloat16* activated,
                            const __nv_bfloat16* weight, const __nv_bfloat16* bias, int rows, int in_features,
                            int out_features, cudaStream_t stream);
+
+// The same with gelu_tanh(gate) * up (the drafter's MLP).
+void gelu_tanh_gate_matmul_forward(void* out, MatmulOutput out_type, const __nv_bfloat16* gate_up,
+                                   __nv_bfloat16* activated, const __nv_bfloat16* weight, const __nv_bfloat16* bias,
+                                   int rows, int in_features, int out_features, cudaStream_t stream);
+
+// out [rows, out] = x [rows, in] @ weight (+ bias [out]) with weight stored
+// [in, out] (the drafter's layout: CUDA version of cpu::matmul_in_out_forward),
+// for few rows (the sequential head: one row per request). x, bias and out are
+// f32; the weight bf16 (the vocabulary-wide head matrices) or f32 (the small
+// recurrent ones); f32 accumulation. accumulate: out += the product instead.
+// run_if: a device flag or null; when it holds 0 the kernel does nothing, so a
+// captured graph skips work that the device has found unneeded.
+void matmul_in_out_forward(float* out, const float* x, const __nv_bfloat16* weight, const float* bias, int rows,
+                           int in_features, int out_features, bool accumulate, const int32_t* run_if,
+                           cudaStream_t stream);
+void matmul_in_out_forward(float* out, const float* x, const float* weight, const float* bias, int rows,
+                           int in_features, int out_features, bool accumulate, const int32_t* run_if,
+                           cudaStream_t stream);
 
 }  // namespace dspark::cuda
