@@ -4,6 +4,7 @@
 # tests/tools/device_bundle.sh, carried with the tree.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+tests/tools/device_unpack.sh
 export LD_LIBRARY_PATH="$PWD/.device/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 export DSPARK_GOLDEN_DIR="$PWD/tests/golden"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -8,6 +8,7 @@
 #   tests/tools/run_draft_checks.sh [gtest filter]   (default: every CUDA test)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+tests/tools/device_unpack.sh || exit 1
 export LD_LIBRARY_PATH="$PWD/.device/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 export DSPARK_GOLDEN_DIR="$PWD/tests/golden"
 out="${OUT:-/tmp/draft-checks}"

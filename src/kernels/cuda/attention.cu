@@ -184,7 +184,10 @@ void launch(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_c
 
 // ---- bidirectional block attention (the drafter) ----
 
-constexpr int kDraftRowsPerWarp = kMaxDraftQueries / kWarps;
+// 8 warps: with γ <= 8 each query row has a warp of its own, and each thread
+// keeps at most 4 rows' softmax state (more spills registers).
+constexpr int kDraftWarps = 8;
+constexpr int kDraftRowsPerWarp = kMaxDraftQueries / kDraftWarps;
 
 // Dynamic shared memory: keys and values [kBlockSize][head_dim + 2] bf16 (the
 // pad puts the lanes scoring their own key on distinct banks), then the
@@ -195,7 +198,7 @@ size_t bidirectional_shared_bytes(int gamma, int head_dim) {
 
 // grid: x = KV split, y = head, z = row b. DIMS_PER_LANE = ceil(head_dim / 32).
 template <int DIMS_PER_LANE>
-__global__ void __launch_bounds__(kWarps * 32)
+__global__ void __launch_bounds__(kDraftWarps * 32)
     bidirectional_attention_kernel(bf16* out, const bf16* q, const bf16* block_keys, const bf16* block_values,
                                    long block_stride, DraftAttentionBatch batch, int gamma, int heads, int head_dim,
                                    int splits, float* partial_out, float* partial_lse, unsigned* counters) {
@@ -219,7 +222,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const float scale = rsqrtf(static_cast<float>(head_dim));
   const long head_offset = static_cast<long>(head) * head_dim;
 
-  for (int i = threadIdx.x; i < gamma * head_dim; i += kWarps * 32) {
+  for (int i = threadIdx.x; i < gamma * head_dim; i += kDraftWarps * 32) {
     const int k = i / head_dim, dim = i % head_dim;
     queries[i] = __bfloat162float(q[(static_cast<long>(k) * rows + b) * block_stride + head_offset + dim]);
   }
@@ -234,7 +237,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int chunks = head_dim / 8;  // 16-byte pieces of one key row
   for (int tile = tile_begin; tile < tile_end; ++tile) {
     __syncthreads();  // the previous tile is no longer read (and the queries are written)
-    for (int i = threadIdx.x; i < kBlockSize * chunks; i += kWarps * 32) {
+    for (int i = threadIdx.x; i < kBlockSize * chunks; i += kDraftWarps * 32) {
       const int key = i / chunks, chunk = i % chunks;
       const int position = tile * kBlockSize + key;
       uint4 key_vector = make_uint4(0, 0, 0, 0), value_vector = key_vector;  // past the end: zeros, never NaN
@@ -259,7 +262,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     const int key_position = tile * kBlockSize + lane;
 #pragma unroll
     for (int r = 0; r < kDraftRowsPerWarp; ++r) {
-      const int k = r * kWarps + warp;
+      const int k = r * kDraftWarps + warp;
       if (k >= gamma) continue;  // the same for the whole warp
       float score = -INFINITY;
       if (key_position < total) {
@@ -296,7 +299,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const long partial_base = (static_cast<long>(b) * heads + head) * splits;  // this (row, head)'s first split
 #pragma unroll
   for (int r = 0; r < kDraftRowsPerWarp; ++r) {
-    const int k = r * kWarps + warp;
+    const int k = r * kDraftWarps + warp;
     if (k >= gamma) continue;
     const float inverse = running_sum[r] > 0.0f ? 1.0f / running_sum[r] : 0.0f;
 #pragma unroll
@@ -324,7 +327,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   __syncthreads();
   if (!merges) return;
   __threadfence();
-  for (int i = threadIdx.x; i < gamma * head_dim; i += kWarps * 32) {
+  for (int i = threadIdx.x; i < gamma * head_dim; i += kDraftWarps * 32) {
     const int k = i / head_dim, dim = i % head_dim;
     float maximum = -INFINITY;
     for (int s = 0; s < splits; ++s) maximum = fmaxf(maximum, __ldcg(partial_lse + (partial_base + s) * gamma + k));
@@ -357,7 +360,7 @@ void launch_bidirectional(bf16* out, const bf16* q, const bf16* block_keys, cons
   (void)opted_in;
   const dim3 grid(splits, heads, batch.rows);
   bidirectional_attention_kernel<DIMS_PER_LANE>
-      <<<grid, kWarps * 32, bidirectional_shared_bytes(gamma, head_dim), stream>>>(
+      <<<grid, kDraftWarps * 32, bidirectional_shared_bytes(gamma, head_dim), stream>>>(
           out, q, block_keys, block_values, block_stride, batch, gamma, heads, head_dim, splits, partial_out,
           partial_lse, counters);
   CUDA_CHECK_LAUNCH();
