@@ -371,6 +371,7 @@ void CudaDrafter::ensure_rows(int rows) {
   results_host_.resize((2 * size_t(c.gamma) + 1) * M);
   alive_.resize(M);
   alive_rows_.resize(c.gamma);
+  argmax_keys_.resize(size_t(c.gamma) * M);
   long partial_rows = 0;  // (row, head, split) triples of the largest bucket's attention
   for (int bucket = 1; bucket <= rows; bucket *= 2)
     partial_rows = std::max(partial_rows, long(bucket) * c.num_heads * attention_splits(bucket));
@@ -454,11 +455,11 @@ void CudaDrafter::draft_chunk(std::span<const CudaDraftRequest> requests, const 
   if (step_start_) CUDA_CHECK(cudaEventRecord(step_start_, s));
   CUDA_CHECK(cudaMemcpyAsync(metadata_.data(), bytes, layout_.bytes, cudaMemcpyHostToDevice, s));
 
-  auto graph = graphs_.find(rows);
+  auto graph = graphs_.find({rows, !sampling});
   if (graph != graphs_.end())
     CUDA_CHECK(cudaGraphLaunch(graph->second, s));
   else
-    run_step(rows);
+    run_step(rows, !sampling);
   const long result_words = (2L * gamma + 1) * rows;
   CUDA_CHECK(cudaMemcpyAsync(results_host_.data(), results_.data(), result_words * sizeof(int32_t),
                              cudaMemcpyDeviceToHost, s));
@@ -511,7 +512,7 @@ void CudaDrafter::draft_chunk(std::span<const CudaDraftRequest> requests, const 
     cudaGraph_t captured = nullptr;
     CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
     try {
-      run_step(rows);
+      run_step(rows, !sampling);
     } catch (...) {  // leave the stream usable: end the capture, draft eagerly from now on
       cudaStreamEndCapture(s, &captured);
       if (captured) cudaGraphDestroy(captured);
@@ -523,12 +524,12 @@ void CudaDrafter::draft_chunk(std::span<const CudaDraftRequest> requests, const 
     cudaGraphExec_t executable;
     CUDA_CHECK(cudaGraphInstantiate(&executable, captured, 0));
     CUDA_CHECK(cudaGraphDestroy(captured));
-    graphs_.emplace(rows, executable);
+    graphs_.emplace(std::pair{rows, !sampling}, executable);
   }
 }
 
 // The kernels of one step for a bucket of `rows` rows, in order; the same eager or captured.
-void CudaDrafter::run_step(int rows) {
+void CudaDrafter::run_step(int rows, bool greedy) {
   const DrafterConfig& c = config_;
   const int B = rows, gamma = c.gamma, R = gamma * B, d = c.d_draft, r = c.markov_rank;
   const int H = dims_.hidden_size, V = dims_.vocab_size;
@@ -547,6 +548,7 @@ void CudaDrafter::run_step(int rows) {
   float* confidence = reinterpret_cast<float*>(results_.data() + long(gamma) * B);
   int32_t* count = results_.data() + 2L * gamma * B;
   CUDA_CHECK(cudaMemsetAsync(alive_rows_.data(), 0, alive_rows_.bytes(), s));
+  if (greedy) CUDA_CHECK(cudaMemsetAsync(argmax_keys_.data(), 0, size_t(gamma) * B * sizeof(unsigned long long), s));
 
   // Block rows: row 0 = E[anchor] @ tok_proj + block_pos[0]; row k = mask_emb[k-1] + block_pos[k].
   cuda::gather_rows_forward(anchor_rows_.data(), head_.embedding, anchors, B, H, s);
@@ -589,33 +591,42 @@ void CudaDrafter::run_step(int rows) {
   // The sequential head, position by position for all rows: L_k = U_k + B_k in place, then x_k.
   const cuda::SequentialHeadWeights weights{head_embedding_.data(), confidence_weight_.data(),
                                             confidence_bias_.data(), temperatures_.data()};
-  const cuda::SequentialHeadState head{anchors, limits, tokens, confidence, alive_.data(), count, alive_rows_.data()};
+  const cuda::SequentialHeadState head{anchors, limits,        tokens, greedy ? argmax_keys_.data() : nullptr,
+                                       confidence, alive_.data(), count,  alive_rows_.data()};
   for (int k = 0; k < gamma; ++k) {
     float* logits = logits_.data() + long(k) * B * V;
     const int32_t* any_alive = alive_rows_.data() + k;
+    // L_k += x @ W (W [r, V]: markov.w2 or rnn.wO), then x_k: argmax fused in when greedy.
+    auto vocabulary_head = [&](const float* x) {
+      if (greedy)
+        cuda::matmul_in_out_argmax_forward(logits, x, head_out_.data(), nullptr, B, r, V, true,
+                                           argmax_keys_.data() + long(k) * B, any_alive, s);
+      else
+        cuda::matmul_in_out_forward(logits, x, head_out_.data(), nullptr, B, r, V, true, any_alive, s);
+    };
     cuda::sequential_head_prepare_forward(e_.data(), recurrent_input_.data(), state_.data(), hidden_.data(), k, B, r,
                                           d, V, kind_, weights, control, head, s);
     switch (kind_) {
       case cuda::SequentialHeadKind::Markov:  // B = e @ w2
-        cuda::matmul_in_out_forward(logits, e_.data(), head_out_.data(), nullptr, B, r, V, true, any_alive, s);
+        vocabulary_head(e_.data());
         break;
       case cuda::SequentialHeadKind::Rnn:  // s = tanh(s @ wH + e + bH); B = s @ wO
         cuda::matmul_in_out_forward(recurrent_pre_.data(), state_.data(), recurrent_.data(), recurrent_bias_.data(), B,
                                     r, r, false, any_alive, s);
         cuda::recurrent_update_forward(state_.data(), nullptr, recurrent_pre_.data(), e_.data(), B, r, kind_, s);
-        cuda::matmul_in_out_forward(logits, state_.data(), head_out_.data(), nullptr, B, r, V, true, any_alive, s);
+        vocabulary_head(state_.data());
         break;
       case cuda::SequentialHeadKind::Gru:  // [g, c, o] = z @ wJ + bJ; s = σ(g) s + (1 - σ(g)) tanh(c); B = tanh(o) @ w2
         cuda::matmul_in_out_forward(recurrent_pre_.data(), recurrent_input_.data(), recurrent_.data(),
                                     recurrent_bias_.data(), B, 2 * r + d, 3 * r, false, any_alive, s);
         cuda::recurrent_update_forward(state_.data(), head_output_.data(), recurrent_pre_.data(), e_.data(), B, r,
                                        kind_, s);
-        cuda::matmul_in_out_forward(logits, head_output_.data(), head_out_.data(), nullptr, B, r, V, true, any_alive,
-                                    s);
+        vocabulary_head(head_output_.data());
         break;
     }
-    cuda::select_tokens_forward(tokens + long(k) * B, logits, uniforms + long(k) * B, params, B, V, s);
+    if (!greedy) cuda::select_tokens_forward(tokens + long(k) * B, logits, uniforms + long(k) * B, params, B, V, s);
   }
+  if (greedy) cuda::argmax_tokens_forward(tokens, argmax_keys_.data(), gamma * B, s);
 }
 
 }  // namespace dspark

@@ -19,11 +19,13 @@
 // uniforms) into one pinned buffer and copies it once; the backbone runs once
 // for all B*γ block rows; the head walks positions 0..γ-1 on the device
 // (e_k, confidence and pruning, the head's matmuls into the logits, token
-// selection); one copy brings back tokens, confidences and lengths: the only
+// selection: greedy fused into the vocabulary matmul as an argmax, sampling by
+// select_tokens_forward); one copy brings back tokens, confidences and lengths: the only
 // synchronisation of the step. A position where every row has been pruned
 // skips its vocabulary-wide matmul. Steps are captured as one CUDA graph per
 // batch bucket (1, 2, 4, ... 64 rows; padding rows have no context and draft
-// nothing), on a bucket's first use after it has run once eagerly.
+// nothing) and kind (greedy or sampled), on its first use after it has run
+// once eagerly.
 //
 // Sampling: the row's uniforms are drawn from a copy of its stream; after the
 // step the stream advances by the number of tokens kept, so it is consumed as
@@ -125,7 +127,7 @@ class CudaDrafter {
   int attention_splits(int rows) const;
   void draft_chunk(std::span<const CudaDraftRequest> requests, const DraftOptions& options, int limit,
                    const std::vector<float>& thresholds, std::span<DraftResult> results);
-  void run_step(int rows);
+  void run_step(int rows, bool greedy);
 
   DrafterConfig config_;
   TargetDims dims_;
@@ -171,12 +173,13 @@ class CudaDrafter {
   cuda::DeviceBuffer<float> e_, state_, recurrent_input_, recurrent_pre_, head_output_;
   cuda::DeviceBuffer<int32_t> results_;  // tokens [γ, B], confidence [γ, B] (f32 bits), count [B]
   cuda::DeviceBuffer<int32_t> alive_, alive_rows_;
+  cuda::DeviceBuffer<unsigned long long> argmax_keys_;  // [γ, B] greedy token selection
   cuda::DeviceBuffer<unsigned> counters_;
   cuda::PinnedBuffer<int32_t> results_host_;
   cuda::PinnedBuffer<float> logits_host_;
   std::vector<double> uniforms_;  // [γ, B] this step's uniforms, as drawn
   std::vector<int32_t> order_;
-  std::map<int, cudaGraphExec_t> graphs_;  // per batch bucket
+  std::map<std::pair<int, bool>, cudaGraphExec_t> graphs_;  // per (batch bucket, greedy)
   cudaEvent_t step_start_ = nullptr, step_stop_ = nullptr;  // set while step timing is on
 };
 

@@ -137,6 +137,41 @@ TEST(CudaDraftOps, MatmulInOutMatchesCpu) {
   check_matmul_in_out<float>(false);
 }
 
+TEST(CudaDraftOps, MatmulInOutArgmaxFindsTheFirstLargest) {
+  for (int rows : {1, 3, 8, 13}) {
+    for (int out_features : {1088, 1006}) {
+      const int in = 24;
+      const auto x = random_values(rows * in, 67);
+      auto weight = bf16_rounded(random_values(size_t(in) * out_features, 68));
+      auto initial = random_values(size_t(rows) * out_features, 69);
+      // Row 0: an exact tie for the maximum, in different blocks (the first index must win).
+      for (int column : {700, 300}) {
+        for (int i = 0; i < in; ++i) weight[size_t(i) * out_features + column] = 0.0f;
+        initial[column] = 1e3f;
+      }
+      std::vector<float> expected(size_t(rows) * out_features);
+      cpu::matmul_in_out_forward(expected.data(), x.data(), weight.data(), rows, in, out_features);
+      for (size_t i = 0; i < expected.size(); ++i) expected[i] += initial[i];
+      auto x_device = to_device(x), out = to_device(initial);
+      auto weight_device = to_device_bf16(weight);
+      auto keys = to_device(std::vector<unsigned long long>(rows, 0));
+      DeviceBuffer<int32_t> tokens(rows + 1);
+      auto no_key = to_device(std::vector<unsigned long long>{0});
+      cuda::matmul_in_out_argmax_forward(out.data(), x_device.data(), weight_device.data(), nullptr, rows, in,
+                                         out_features, true, keys.data(), nullptr, nullptr);
+      cuda::argmax_tokens_forward(tokens.data(), keys.data(), rows, nullptr);
+      cuda::argmax_tokens_forward(tokens.data() + rows, no_key.data(), 1, nullptr);
+      const auto logits = from_device(out);
+      EXPECT_LE(relative_error(logits.data(), expected.data(), expected.size()), 1e-5);
+      const auto chosen = from_device(tokens);
+      for (int r = 0; r < rows; ++r)  // the GPU's own logits decide (the CPU's sum may round a near-tie apart)
+        EXPECT_EQ(chosen[r], cpu::argmax(logits.data() + size_t(r) * out_features, out_features)) << "row " << r;
+      EXPECT_EQ(chosen[0], 300);
+      EXPECT_EQ(chosen[rows], -1) << "a key never written";
+    }
+  }
+}
+
 TEST(CudaDraftOps, BidirectionalAttentionMatchesCpu) {
   // Ragged contexts (one empty), context rows k | v interleaved (stride 2d) as
   // the drafter stores them, block rows position-major in a q | k | v buffer.
@@ -241,8 +276,14 @@ TEST(CudaDraftOps, SequentialHeadPrepareConfidenceAndPruning) {
     auto alive_rows = to_device(std::vector<int32_t>(gamma, 0));
     const cuda::SequentialHeadWeights weights{w1_device.data(), weight_device.data(), bias_device.data(),
                                               temperatures_device.data()};
+    // The Markov pass reads x_{k-1} from argmax keys (the greedy step), the others from tokens.
+    std::vector<unsigned long long> keys(gamma * B);
+    for (int i = 0; i < gamma * B; ++i) keys[i] = (0x80000000ull << 32) | (0xffffffffu - unsigned(tokens[i]));
+    auto keys_device = to_device(keys);
+    const bool from_keys = kind == cuda::SequentialHeadKind::Markov;
     const cuda::SequentialHeadState head{anchors_device.data(), limits_device.data(), tokens_device.data(),
-                                         confidence.data(), alive.data(), count.data(), alive_rows.data()};
+                                         from_keys ? keys_device.data() : nullptr, confidence.data(), alive.data(),
+                                         count.data(), alive_rows.data()};
     std::vector<bool> alive_expected(B, true);
     std::vector<int32_t> count_expected(B, 0), alive_rows_expected(gamma, 0);
     for (int k = 0; k < gamma; ++k) {

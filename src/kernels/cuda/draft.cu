@@ -25,7 +25,10 @@ __global__ void __launch_bounds__(kThreads)
                                    const DraftControl* control, SequentialHeadState head) {
   __shared__ float scratch[32];
   const int b = blockIdx.x;
-  int32_t previous = position == 0 ? head.anchors[b] : head.tokens[(position - 1) * rows + b];
+  const int previous_slot = (position - 1) * rows + b;
+  int32_t previous = position == 0      ? head.anchors[b]
+                     : head.argmax_keys ? argmax_index(head.argmax_keys[previous_slot])
+                                        : head.tokens[previous_slot];
   previous = min(max(previous, 0), vocab - 1);  // a pruned row's later tokens are never used, but stay in range
   const __nv_bfloat16* e_row = weights.embedding + static_cast<long>(previous) * rank;
   const float* h = hidden + (static_cast<long>(position) * rows + b) * width;

@@ -43,7 +43,9 @@ struct SequentialHeadWeights {
 struct SequentialHeadState {
   const int32_t* anchors;  // [B] x_{-1}
   const int32_t* limits;   // [B] positions a row may draft (0: a padding row)
-  int32_t* tokens;         // [γ, B] x_k, written by token selection
+  int32_t* tokens;         // [γ, B] x_k, written by token selection (sampling)
+  const unsigned long long* argmax_keys;  // [γ, B] greedy: x_k = argmax_index(key) (matmul_in_out_argmax_forward);
+                                          // null: x_k is read from tokens
   float* confidence;       // [γ, B] c_k
   int32_t* alive;          // [B] 1 while the row is still drafting
   int32_t* count;          // [B] positions kept: the draft's length

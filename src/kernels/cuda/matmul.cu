@@ -325,10 +325,13 @@ __device__ __forceinline__ void load_eight(const float* weights, int available, 
   }
 }
 
-template <class Weight, int ROWS, bool VECTOR>
+// ARGMAX: also each row's argmax over all out_features columns, by a block
+// reduction and one atomicMax per (block, row) into argmax_keys[row].
+template <class Weight, int ROWS, bool VECTOR, bool ARGMAX>
 __global__ void __launch_bounds__(kInOutSlices * 32)
     matmul_in_out_kernel(float* out, const float* x, const Weight* weight, const float* bias, int rows, int in,
-                         int out_features, bool accumulate, const int32_t* run_if) {
+                         int out_features, bool accumulate, const int32_t* run_if,
+                         unsigned long long* argmax_keys) {
   if (run_if && *run_if == 0) return;  // the whole block leaves: no barrier is skipped
   __shared__ __align__(16) float partial[kInOutSlices][kInOutColumns];
   const int lane = threadIdx.x & 31, slice = threadIdx.x >> 5;
@@ -362,40 +365,65 @@ __global__ void __launch_bounds__(kInOutSlices * 32)
     mine[1] = make_float4(sums[r][4], sums[r][5], sums[r][6], sums[r][7]);
     __syncthreads();
     const int own = blockIdx.x * kInOutColumns + threadIdx.x;
+    unsigned long long key = 0;
     if (own < out_features) {
       float total = bias ? bias[own] : 0.0f;
 #pragma unroll
       for (int s = 0; s < kInOutSlices; ++s) total += partial[s][threadIdx.x];
       float* destination = out + static_cast<long>(first_row + r) * out_features + own;
-      *destination = accumulate ? *destination + total : total;
+      if (accumulate) total += *destination;
+      *destination = total;
+      key = argmax_key(total, own);
     }
-    __syncthreads();  // partial is rewritten for the next row
+    if constexpr (ARGMAX) {
+      __shared__ unsigned long long warp_keys[kInOutSlices];
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) key = max(key, __shfl_xor_sync(0xffffffffu, key, offset));
+      if (lane == 0) warp_keys[slice] = key;
+      __syncthreads();
+      if (threadIdx.x == 0) {
+#pragma unroll
+        for (int w = 1; w < kInOutSlices; ++w) key = max(key, warp_keys[w]);
+        atomicMax(argmax_keys + first_row + r, key);
+      }
+    }
+    __syncthreads();  // partial (and warp_keys) are rewritten for the next row
   }
 }
 
-template <class Weight, bool VECTOR>
+template <class Weight, bool VECTOR, bool ARGMAX>
 void launch_in_out(float* out, const float* x, const Weight* weight, const float* bias, int rows, int in,
-                   int out_features, bool accumulate, const int32_t* run_if, cudaStream_t stream) {
+                   int out_features, bool accumulate, const int32_t* run_if, unsigned long long* argmax_keys,
+                   cudaStream_t stream) {
   const int row_block = rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8;
   const dim3 grid(ceil_div(out_features, kInOutColumns), ceil_div(rows, row_block));
-  auto kernel = row_block == 1   ? matmul_in_out_kernel<Weight, 1, VECTOR>
-                : row_block == 2 ? matmul_in_out_kernel<Weight, 2, VECTOR>
-                : row_block == 4 ? matmul_in_out_kernel<Weight, 4, VECTOR>
-                                 : matmul_in_out_kernel<Weight, 8, VECTOR>;
-  kernel<<<grid, kInOutSlices * 32, 0, stream>>>(out, x, weight, bias, rows, in, out_features, accumulate, run_if);
+  auto kernel = row_block == 1   ? matmul_in_out_kernel<Weight, 1, VECTOR, ARGMAX>
+                : row_block == 2 ? matmul_in_out_kernel<Weight, 2, VECTOR, ARGMAX>
+                : row_block == 4 ? matmul_in_out_kernel<Weight, 4, VECTOR, ARGMAX>
+                                 : matmul_in_out_kernel<Weight, 8, VECTOR, ARGMAX>;
+  kernel<<<grid, kInOutSlices * 32, 0, stream>>>(out, x, weight, bias, rows, in, out_features, accumulate, run_if,
+                                                 argmax_keys);
   CUDA_CHECK_LAUNCH();
 }
 
-template <class Weight>
+template <class Weight, bool ARGMAX = false>
 void in_out_forward(float* out, const float* x, const Weight* weight, const float* bias, int rows, int in,
-                    int out_features, bool accumulate, const int32_t* run_if, cudaStream_t stream) {
+                    int out_features, bool accumulate, const int32_t* run_if, cudaStream_t stream,
+                    unsigned long long* argmax_keys = nullptr) {
   if (rows <= 0 || out_features <= 0) return;
   // 16-byte weight loads need every weight row to start 16-byte aligned.
   const bool vector = out_features % 8 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0;
   if (vector)
-    launch_in_out<Weight, true>(out, x, weight, bias, rows, in, out_features, accumulate, run_if, stream);
+    launch_in_out<Weight, true, ARGMAX>(out, x, weight, bias, rows, in, out_features, accumulate, run_if,
+                                        argmax_keys, stream);
   else
-    launch_in_out<Weight, false>(out, x, weight, bias, rows, in, out_features, accumulate, run_if, stream);
+    launch_in_out<Weight, false, ARGMAX>(out, x, weight, bias, rows, in, out_features, accumulate, run_if,
+                                         argmax_keys, stream);
+}
+
+__global__ void argmax_tokens_kernel(int32_t* tokens, const unsigned long long* keys, int count) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < count) tokens[i] = argmax_index(keys[i]);
 }
 
 }  // namespace
@@ -410,6 +438,19 @@ void matmul_in_out_forward(float* out, const float* x, const float* weight, cons
                            int in_features, int out_features, bool accumulate, const int32_t* run_if,
                            cudaStream_t stream) {
   in_out_forward(out, x, weight, bias, rows, in_features, out_features, accumulate, run_if, stream);
+}
+
+void matmul_in_out_argmax_forward(float* out, const float* x, const bf16* weight, const float* bias, int rows,
+                                  int in_features, int out_features, bool accumulate,
+                                  unsigned long long* argmax_keys, const int32_t* run_if, cudaStream_t stream) {
+  in_out_forward<bf16, true>(out, x, weight, bias, rows, in_features, out_features, accumulate, run_if, stream,
+                             argmax_keys);
+}
+
+void argmax_tokens_forward(int32_t* tokens, const unsigned long long* argmax_keys, int count, cudaStream_t stream) {
+  if (count == 0) return;
+  argmax_tokens_kernel<<<ceil_div(count, 256), 256, 0, stream>>>(tokens, argmax_keys, count);
+  CUDA_CHECK_LAUNCH();
 }
 
 void matmul_forward(void* out, MatmulOutput out_type, const bf16* x, const bf16* weight, const bf16* bias, int rows,

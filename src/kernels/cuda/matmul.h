@@ -46,4 +46,14 @@ void matmul_in_out_forward(float* out, const float* x, const float* weight, cons
                            int in_features, int out_features, bool accumulate, const int32_t* run_if,
                            cudaStream_t stream);
 
+// The same (bf16 weight), and each row's argmax over its out_features outputs
+// (greedy token selection fused into the sequential head's vocabulary matmul):
+// argmax_keys[row] (zeroed before) receives, by atomicMax, a key that orders by
+// value and then by the smaller index; argmax_tokens_forward turns keys into
+// indices (-1 for a key never written).
+void matmul_in_out_argmax_forward(float* out, const float* x, const __nv_bfloat16* weight, const float* bias,
+                                  int rows, int in_features, int out_features, bool accumulate,
+                                  unsigned long long* argmax_keys, const int32_t* run_if, cudaStream_t stream);
+void argmax_tokens_forward(int32_t* tokens, const unsigned long long* argmax_keys, int count, cudaStream_t stream);
+
 }  // namespace dspark::cuda
