@@ -46,11 +46,14 @@ DeviceBuffer<bf16> upload_bf16(const float* values, size_t count) {
 // Matrices stored [in, out] (the drafter's layout), transposed to [out, in]
 // (the GEMMs' nn.Linear layout) and stacked along out, as bf16.
 DeviceBuffer<bf16> upload_transposed_bf16(const std::vector<const float*>& matrices, int in, int out) {
+  constexpr int kTile = 64;  // transposed tile by tile: W_c at Qwen3-8B shape is 16384 x 1024
   std::vector<uint16_t> bits(matrices.size() * size_t(in) * out);
   for (size_t m = 0; m < matrices.size(); ++m)
-    for (int i = 0; i < in; ++i)
-      for (int o = 0; o < out; ++o)
-        bits[(m * out + o) * size_t(in) + i] = f32_to_bf16(matrices[m][size_t(i) * out + o]);
+    for (int i0 = 0; i0 < in; i0 += kTile)
+      for (int o0 = 0; o0 < out; o0 += kTile)
+        for (int i = i0; i < std::min(in, i0 + kTile); ++i)
+          for (int o = o0; o < std::min(out, o0 + kTile); ++o)
+            bits[(m * out + o) * size_t(in) + i] = f32_to_bf16(matrices[m][size_t(i) * out + o]);
   DeviceBuffer<bf16> buffer(bits.size());
   CUDA_CHECK(cudaMemcpy(buffer.data(), bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
   return buffer;
@@ -85,8 +88,9 @@ CudaDrafter::CudaDrafter(const Drafter& drafter, const CudaTargetHead& head)
   DSPARK_CHECK(c.gamma >= 1 && c.gamma <= cuda::kMaxDraftGamma, "the CUDA drafter drafts at most ",
                cuda::kMaxDraftGamma, " tokens per round; this drafter's gamma is ", c.gamma);
   head_dim_ = d / c.num_heads;
-  DSPARK_CHECK(head_dim_ % 8 == 0 && head_dim_ <= 256, "the CUDA drafter needs d / heads to be a multiple of 8, at most 256; ",
-               "this drafter has ", d, " / ", c.num_heads, " = ", head_dim_);
+  DSPARK_CHECK(head_dim_ % 8 == 0 && head_dim_ <= 256,
+               "the CUDA drafter needs d / heads to be a multiple of 8, at most 256; ", "this drafter has ", d, " / ",
+               c.num_heads, " = ", head_dim_);
   kind_ = c.seq_head == "rnn"   ? cuda::SequentialHeadKind::Rnn
           : c.seq_head == "gru" ? cuda::SequentialHeadKind::Gru
                                 : cuda::SequentialHeadKind::Markov;
@@ -400,8 +404,7 @@ void CudaDrafter::draft(std::span<const CudaDraftRequest> requests, const DraftO
   results.assign(requests.size(), DraftResult{});
   for (size_t begin = 0; begin < requests.size(); begin += kMaxDraftBatch) {
     const size_t count = std::min<size_t>(kMaxDraftBatch, requests.size() - begin);
-    draft_chunk(requests.subspan(begin, count), options, limit, thresholds,
-                std::span(results).subspan(begin, count));
+    draft_chunk(requests.subspan(begin, count), options, limit, thresholds, std::span(results).subspan(begin, count));
   }
 }
 
@@ -467,8 +470,8 @@ void CudaDrafter::draft_chunk(std::span<const CudaDraftRequest> requests, const 
   const size_t logit_count = size_t(limit) * rows * V;  // positions >= limit are never kept
   if (want_logits) {
     if (logits_host_.size() < logit_count) logits_host_.resize(logit_count);
-    CUDA_CHECK(cudaMemcpyAsync(logits_host_.data(), logits_.data(), logit_count * sizeof(float),
-                               cudaMemcpyDeviceToHost, s));
+    CUDA_CHECK(
+        cudaMemcpyAsync(logits_host_.data(), logits_.data(), logit_count * sizeof(float), cudaMemcpyDeviceToHost, s));
   }
   if (step_stop_) CUDA_CHECK(cudaEventRecord(step_stop_, s));
   CUDA_CHECK(cudaStreamSynchronize(s));
@@ -554,8 +557,8 @@ void CudaDrafter::run_step(int rows, bool greedy) {
   cuda::gather_rows_forward(anchor_rows_.data(), head_.embedding, anchors, B, H, s);
   cuda::matmul_forward(token_rows_.data(), cuda::MatmulOutput::F32, anchor_rows_.data(), token_projection_.data(),
                        nullptr, B, H, d, s);
-  cuda::draft_block_forward(block_.data(), token_rows_.data(), mask_embedding_.data(), block_position_.data(), B,
-                            gamma, d, s);
+  cuda::draft_block_forward(block_.data(), token_rows_.data(), mask_embedding_.data(), block_position_.data(), B, gamma,
+                            d, s);
 
   const int splits = attention_splits(B);
   for (int l = 0; l < c.num_layers; ++l) {
@@ -566,8 +569,7 @@ void CudaDrafter::run_step(int rows, bool greedy) {
       cuda::residual_add_rmsnorm_forward(block_.data(), projected_.data(), normed_.data(), w.attention_norm.data(), R,
                                          d, eps, nullptr, nullptr, 0, s);
     cuda::matmul_forward(kvq_.data(), cuda::MatmulOutput::BF16, normed_.data(), w.kvq.data(), nullptr, R, d, 3 * d, s);
-    const cuda::DraftAttentionBatch batch{context_keys + long(l) * B, context_values + long(l) * B, lengths, 2L * d,
-                                          B};
+    const cuda::DraftAttentionBatch batch{context_keys + long(l) * B, context_values + long(l) * B, lengths, 2L * d, B};
     cuda::bidirectional_attention_forward(attention_.data(), kvq_.data() + 2 * d, kvq_.data(), kvq_.data() + d, 3L * d,
                                           batch, gamma, c.num_heads, head_dim_, splits, partial_out_.data(),
                                           partial_lse_.data(), counters_.data(), s);
@@ -577,21 +579,20 @@ void CudaDrafter::run_step(int rows, bool greedy) {
                                        nullptr, nullptr, 0, s);
     cuda::matmul_forward(gate_up_.data(), cuda::MatmulOutput::BF16, normed_.data(), w.gate_up.data(), nullptr, R, d,
                          2 * inner_, s);
-    cuda::gelu_tanh_gate_matmul_forward(projected_.data(), cuda::MatmulOutput::BF16, gate_up_.data(),
-                                        activated_.data(), w.down.data(), nullptr, R, inner_, d, s);
+    cuda::gelu_tanh_gate_matmul_forward(projected_.data(), cuda::MatmulOutput::BF16, gate_up_.data(), activated_.data(),
+                                        w.down.data(), nullptr, R, inner_, d, s);
   }
   // h = rms(Hd, out_norm) (f32 for the head, bf16 for out_proj); U = (h @ out_proj) @ lm_head^T.
   cuda::residual_add_rmsnorm_forward(block_.data(), projected_.data(), normed_.data(), out_norm_.data(), R, d, eps,
                                      nullptr, hidden_.data(), d, s);
-  cuda::matmul_forward(head_input_.data(), cuda::MatmulOutput::BF16, normed_.data(), out_projection_.data(), nullptr,
-                       R, d, H, s);
-  cuda::matmul_forward(logits_.data(), cuda::MatmulOutput::F32, head_input_.data(), head_.lm_head, nullptr, R, H, V,
-                       s);
+  cuda::matmul_forward(head_input_.data(), cuda::MatmulOutput::BF16, normed_.data(), out_projection_.data(), nullptr, R,
+                       d, H, s);
+  cuda::matmul_forward(logits_.data(), cuda::MatmulOutput::F32, head_input_.data(), head_.lm_head, nullptr, R, H, V, s);
 
   // The sequential head, position by position for all rows: L_k = U_k + B_k in place, then x_k.
-  const cuda::SequentialHeadWeights weights{head_embedding_.data(), confidence_weight_.data(),
-                                            confidence_bias_.data(), temperatures_.data()};
-  const cuda::SequentialHeadState head{anchors, limits,        tokens, greedy ? argmax_keys_.data() : nullptr,
+  const cuda::SequentialHeadWeights weights{head_embedding_.data(), confidence_weight_.data(), confidence_bias_.data(),
+                                            temperatures_.data()};
+  const cuda::SequentialHeadState head{anchors,    limits,        tokens, greedy ? argmax_keys_.data() : nullptr,
                                        confidence, alive_.data(), count,  alive_rows_.data()};
   for (int k = 0; k < gamma; ++k) {
     float* logits = logits_.data() + long(k) * B * V;
@@ -604,8 +605,8 @@ void CudaDrafter::run_step(int rows, bool greedy) {
       else
         cuda::matmul_in_out_forward(logits, x, head_out_.data(), nullptr, B, r, V, true, any_alive, s);
     };
-    cuda::sequential_head_prepare_forward(e_.data(), recurrent_input_.data(), state_.data(), hidden_.data(), k, B, r,
-                                          d, V, kind_, weights, control, head, s);
+    cuda::sequential_head_prepare_forward(e_.data(), recurrent_input_.data(), state_.data(), hidden_.data(), k, B, r, d,
+                                          V, kind_, weights, control, head, s);
     switch (kind_) {
       case cuda::SequentialHeadKind::Markov:  // B = e @ w2
         vocabulary_head(e_.data());

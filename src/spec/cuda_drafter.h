@@ -106,15 +106,14 @@ class CudaDrafter {
   struct Context {
     cuda::DeviceBuffer<bf16> storage;  // [L, capacity, 2d]: row p of layer l is k | v
     int capacity = 0;
-    int length = 0;                  // rows in storage
-    std::vector<uint16_t> staged;    // [staged_rows, m*H] bf16 bits, not yet projected
+    int length = 0;                // rows in storage
+    std::vector<uint16_t> staged;  // [staged_rows, m*H] bf16 bits, not yet projected
     int staged_rows = 0;
   };
   // Byte offsets of one step's metadata for batches of up to `rows` rows; the
   // per-row arrays are indexed with the bucket's own row count.
   struct StepLayout {
-    long keys = 0, values = 0, control = 0, sampling = 0, anchors = 0, lengths = 0, limits = 0, uniforms = 0,
-         bytes = 0;
+    long keys = 0, values = 0, control = 0, sampling = 0, anchors = 0, lengths = 0, limits = 0, uniforms = 0, bytes = 0;
     StepLayout() = default;
     StepLayout(int rows, int gamma, int layers);
   };
@@ -142,26 +141,26 @@ class CudaDrafter {
 
   // Weights.
   std::vector<Layer> layers_;
-  cuda::DeviceBuffer<bf16> context_projection_;  // [d, m*H] W_c
-  cuda::DeviceBuffer<bf16> token_projection_;    // [d, H] tok_proj
-  cuda::DeviceBuffer<bf16> out_projection_;      // [H, d] out_proj
-  cuda::DeviceBuffer<float> context_norm_, out_norm_;             // [d]
-  cuda::DeviceBuffer<float> mask_embedding_, block_position_;     // [γ-1, d], [γ, d]
-  cuda::DeviceBuffer<bf16> head_embedding_;                       // [V, r] markov.w1
-  cuda::DeviceBuffer<bf16> head_out_;                             // [r, V] markov.w2 (Markov, GRU) or rnn.wO
-  cuda::DeviceBuffer<float> recurrent_, recurrent_bias_;          // rnn.wH [r, r], bH [r] / gru.wJ [2r+d, 3r], bJ [3r]
+  cuda::DeviceBuffer<bf16> context_projection_;                    // [d, m*H] W_c
+  cuda::DeviceBuffer<bf16> token_projection_;                      // [d, H] tok_proj
+  cuda::DeviceBuffer<bf16> out_projection_;                        // [H, d] out_proj
+  cuda::DeviceBuffer<float> context_norm_, out_norm_;              // [d]
+  cuda::DeviceBuffer<float> mask_embedding_, block_position_;      // [γ-1, d], [γ, d]
+  cuda::DeviceBuffer<bf16> head_embedding_;                        // [V, r] markov.w1
+  cuda::DeviceBuffer<bf16> head_out_;                              // [r, V] markov.w2 (Markov, GRU) or rnn.wO
+  cuda::DeviceBuffer<float> recurrent_, recurrent_bias_;           // rnn.wH [r, r], bH [r] / gru.wJ [2r+d, 3r], bJ [3r]
   cuda::DeviceBuffer<float> confidence_weight_, confidence_bias_;  // [d + r], [1]
-  cuda::DeviceBuffer<float> temperatures_;                        // [γ]
+  cuda::DeviceBuffer<float> temperatures_;                         // [γ]
 
   // Retained contexts and the batched pass that extends them.
   std::map<int, Context> contexts_;
   int next_context_ = 0;
   long extend_taps_offset_ = 0;  // byte offset of the tapped rows in the extension staging
   cuda::PinnedBuffer<unsigned char> extend_staging_;
-  cuda::DeviceBuffer<unsigned char> extend_metadata_;  // destinations [L, rows], then tapped rows [rows, m*H]
+  cuda::DeviceBuffer<unsigned char> extend_metadata_;           // destinations [L, rows], then tapped rows [rows, m*H]
   cuda::DeviceBuffer<float> extend_projected_, extend_hidden_;  // [rows, d]
   cuda::DeviceBuffer<bf16> extend_normed_, extend_kv_;          // [rows, d], [rows, 2d]
-  bool extend_in_flight_ = false;  // a copy from extend_staging_ may not have run yet
+  bool extend_in_flight_ = false;                               // a copy from extend_staging_ may not have run yet
 
   // The draft step, sized for max_rows_ rows (γ * max_rows_ block rows).
   int max_rows_ = 0;

@@ -67,8 +67,7 @@ TEST(CudaDraftOps, GeluTanhGateMatchesCpu) {
   const auto gate_up = bf16_rounded(random_values(rows * 2 * F, 60, 3.0f));
   std::vector<float> expected(rows * F);
   for (int r = 0; r < rows; ++r)
-    cpu::gelu_tanh_gate_forward(expected.data() + r * F, gate_up.data() + r * 2 * F, gate_up.data() + r * 2 * F + F,
-                                F);
+    cpu::gelu_tanh_gate_forward(expected.data() + r * F, gate_up.data() + r * 2 * F, gate_up.data() + r * 2 * F + F, F);
   auto input = to_device_bf16(gate_up);
   DeviceBuffer<bf16> out(rows * F);
   cuda::gelu_tanh_gate_forward(out.data(), input.data(), rows, F, nullptr);
@@ -115,7 +114,8 @@ void check_matmul_in_out(bool bf16_weight) {
         std::vector<float> expected(product);
         for (int r = 0; r < rows; ++r)
           for (int o = 0; o < out_features; ++o)
-            expected[size_t(r) * out_features + o] += bias[o] + (accumulate ? initial[size_t(r) * out_features + o] : 0);
+            expected[size_t(r) * out_features + o] +=
+                bias[o] + (accumulate ? initial[size_t(r) * out_features + o] : 0);
         auto out = to_device(initial);
         cuda::matmul_in_out_forward(out.data(), x_device.data(), weight_device.data(), bias_device.data(), rows, in,
                                     out_features, accumulate, nullptr, nullptr);
@@ -281,9 +281,9 @@ TEST(CudaDraftOps, SequentialHeadPrepareConfidenceAndPruning) {
     for (int i = 0; i < gamma * B; ++i) keys[i] = (0x80000000ull << 32) | (0xffffffffu - unsigned(tokens[i]));
     auto keys_device = to_device(keys);
     const bool from_keys = kind == cuda::SequentialHeadKind::Markov;
-    const cuda::SequentialHeadState head{anchors_device.data(), limits_device.data(), tokens_device.data(),
-                                         from_keys ? keys_device.data() : nullptr, confidence.data(), alive.data(),
-                                         count.data(), alive_rows.data()};
+    const cuda::SequentialHeadState head{
+        anchors_device.data(), limits_device.data(), tokens_device.data(), from_keys ? keys_device.data() : nullptr,
+        confidence.data(),     alive.data(),         count.data(),         alive_rows.data()};
     std::vector<bool> alive_expected(B, true);
     std::vector<int32_t> count_expected(B, 0), alive_rows_expected(gamma, 0);
     for (int k = 0; k < gamma; ++k) {
@@ -360,8 +360,8 @@ TEST(CudaDraftOps, ScatterRowsSkipsNullDestinations) {
   auto rows_device = to_device_bf16(rows);
   DeviceBuffer<bf16> destination(4 * width);
   CUDA_CHECK(cudaMemset(destination.data(), 0, destination.bytes()));
-  auto pointers = to_device(std::vector<uint64_t>{address(destination.data() + 3 * width), 0,
-                                                  address(destination.data() + 1 * width)});
+  auto pointers = to_device(
+      std::vector<uint64_t>{address(destination.data() + 3 * width), 0, address(destination.data() + 1 * width)});
   cuda::scatter_rows_forward(reinterpret_cast<bf16* const*>(pointers.data()), rows_device.data(), count, width,
                              nullptr);
   const auto out = from_device(destination);

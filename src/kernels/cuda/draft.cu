@@ -11,8 +11,8 @@ __global__ void draft_block_kernel(float* block, const float* token_rows, const 
                                    const float* block_position, int rows, int dim) {
   const int row = blockIdx.x;  // position * rows + b
   const int position = row / rows, b = row % rows;
-  const float* source = position == 0 ? token_rows + static_cast<long>(b) * dim
-                                      : mask_embedding + static_cast<long>(position - 1) * dim;
+  const float* source =
+      position == 0 ? token_rows + static_cast<long>(b) * dim : mask_embedding + static_cast<long>(position - 1) * dim;
   const float* position_embedding = block_position + static_cast<long>(position) * dim;
   float* destination = block + static_cast<long>(row) * dim;
   for (int i = threadIdx.x; i < dim; i += kThreads) destination[i] = source[i] + position_embedding[i];
@@ -54,8 +54,8 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x != 0) return;
   const float confidence = 1.0f / (1.0f + expf(-logit));
   head.confidence[position * rows + b] = confidence;
-  const bool below = (control->has_thresholds && confidence < control->thresholds[position]) ||
-                     confidence < control->min_confidence;
+  const bool below =
+      (control->has_thresholds && confidence < control->thresholds[position]) || confidence < control->min_confidence;
   bool alive = position == 0 || head.alive[b] != 0;
   if (position >= head.limits[b] || (position >= 1 && below)) alive = false;  // position 0 is always kept
   head.alive[b] = alive;
@@ -99,17 +99,16 @@ void draft_block_forward(float* block, const float* token_rows, const float* mas
   CUDA_CHECK_LAUNCH();
 }
 
-void sequential_head_prepare_forward(float* e, float* recurrent_input, float* state, const float* hidden,
-                                     int position, int rows, int rank, int width, int vocab,
-                                     SequentialHeadKind kind, const SequentialHeadWeights& weights,
-                                     const DraftControl* control, const SequentialHeadState& head,
-                                     cudaStream_t stream) {
+void sequential_head_prepare_forward(float* e, float* recurrent_input, float* state, const float* hidden, int position,
+                                     int rows, int rank, int width, int vocab, SequentialHeadKind kind,
+                                     const SequentialHeadWeights& weights, const DraftControl* control,
+                                     const SequentialHeadState& head, cudaStream_t stream) {
   DSPARK_CHECK(position >= 0 && position < kMaxDraftGamma, "draft head: position ", position, " is outside 0..",
                kMaxDraftGamma - 1);
   if (rows == 0) return;
-  sequential_head_prepare_kernel<<<rows, kThreads, 0, stream>>>(e, recurrent_input, state, hidden, position, rows,
-                                                                rank, width, vocab, static_cast<int>(kind), weights,
-                                                                control, head);
+  sequential_head_prepare_kernel<<<rows, kThreads, 0, stream>>>(e, recurrent_input, state, hidden, position, rows, rank,
+                                                                width, vocab, static_cast<int>(kind), weights, control,
+                                                                head);
   CUDA_CHECK_LAUNCH();
 }
 

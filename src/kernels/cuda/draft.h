@@ -27,9 +27,9 @@ enum class SequentialHeadKind { Markov = 0, Rnn = 1, Gru = 2 };
 // Pruning settings of one draft step, in device memory (so one captured graph
 // serves every setting).
 struct DraftControl {
-  float min_confidence;                // a uniform threshold; 0: none
-  int32_t has_thresholds;              // whether thresholds[] applies
-  float thresholds[kMaxDraftGamma];    // [γ] keep position k only if c_k >= thresholds[k]
+  float min_confidence;              // a uniform threshold; 0: none
+  int32_t has_thresholds;            // whether thresholds[] applies
+  float thresholds[kMaxDraftGamma];  // [γ] keep position k only if c_k >= thresholds[k]
 };
 
 struct SequentialHeadWeights {
@@ -41,15 +41,15 @@ struct SequentialHeadWeights {
 
 // What the head reads and writes across positions (device memory).
 struct SequentialHeadState {
-  const int32_t* anchors;  // [B] x_{-1}
-  const int32_t* limits;   // [B] positions a row may draft (0: a padding row)
-  int32_t* tokens;         // [γ, B] x_k, written by token selection (sampling)
+  const int32_t* anchors;                 // [B] x_{-1}
+  const int32_t* limits;                  // [B] positions a row may draft (0: a padding row)
+  int32_t* tokens;                        // [γ, B] x_k, written by token selection (sampling)
   const unsigned long long* argmax_keys;  // [γ, B] greedy: x_k = argmax_index(key) (matmul_in_out_argmax_forward);
                                           // null: x_k is read from tokens
-  float* confidence;       // [γ, B] c_k
-  int32_t* alive;          // [B] 1 while the row is still drafting
-  int32_t* count;          // [B] positions kept: the draft's length
-  int32_t* alive_rows;     // [γ] rows still drafting at position k (zeroed before position 0)
+  float* confidence;                      // [γ, B] c_k
+  int32_t* alive;                         // [B] 1 while the row is still drafting
+  int32_t* count;                         // [B] positions kept: the draft's length
+  int32_t* alive_rows;                    // [γ] rows still drafting at position k (zeroed before position 0)
 };
 
 // Position k of the sequential head for every row, before its matmuls:
@@ -59,11 +59,10 @@ struct SequentialHeadState {
 // Recurrent heads: at k = 0 the state [B, r] is zeroed; the GRU's input
 // z = [s_{k-1}; e_k; h_k] is written to recurrent_input [B, 2r + d].
 // hidden [γ*B, d] f32 is h (position-major).
-void sequential_head_prepare_forward(float* e, float* recurrent_input, float* state, const float* hidden,
-                                     int position, int rows, int rank, int width, int vocab,
-                                     SequentialHeadKind kind, const SequentialHeadWeights& weights,
-                                     const DraftControl* control, const SequentialHeadState& head,
-                                     cudaStream_t stream);
+void sequential_head_prepare_forward(float* e, float* recurrent_input, float* state, const float* hidden, int position,
+                                     int rows, int rank, int width, int vocab, SequentialHeadKind kind,
+                                     const SequentialHeadWeights& weights, const DraftControl* control,
+                                     const SequentialHeadState& head, cudaStream_t stream);
 
 // The recurrent state update after the recurrent matmul, for every row:
 // RNN: state = tanh(pre + e) (pre = s @ wH + bH, [B, r]);
