@@ -96,7 +96,8 @@ CudaDrafter::CudaDrafter(const Drafter& drafter, const CudaTargetHead& head)
                                 : cuda::SequentialHeadKind::Markov;
   width_ = static_cast<int>(c.tap_layers.size()) * H;
   inner_ = c.ff_mult * d;
-  use_graphs_ = !(std::getenv("DSPARK_DRAFT_GRAPHS") && std::string(std::getenv("DSPARK_DRAFT_GRAPHS")) == "0");
+  use_graphs_ = !(std::getenv("DSPARK_DRAFT_GRAPHS") && std::string(std::getenv("DSPARK_DRAFT_GRAPHS")) == "0") &&
+                !profiler_.enabled();
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors_, cudaDevAttrMultiProcessorCount, device));
@@ -476,6 +477,7 @@ void CudaDrafter::draft_chunk(std::span<const CudaDraftRequest> requests, const 
   if (step_stop_) CUDA_CHECK(cudaEventRecord(step_stop_, s));
   CUDA_CHECK(cudaStreamSynchronize(s));
   extend_in_flight_ = false;
+  profiler_.finish_step();
 
   const int32_t* tokens = results_host_.data();
   const float* confidence = reinterpret_cast<const float*>(results_host_.data() + long(gamma) * rows);
@@ -550,6 +552,8 @@ void CudaDrafter::run_step(int rows, bool greedy) {
   int32_t* tokens = results_.data();
   float* confidence = reinterpret_cast<float*>(results_.data() + long(gamma) * B);
   int32_t* count = results_.data() + 2L * gamma * B;
+  cuda::StepProfiler& p = profiler_;
+  p.mark("start", s);
   CUDA_CHECK(cudaMemsetAsync(alive_rows_.data(), 0, alive_rows_.bytes(), s));
   if (greedy) CUDA_CHECK(cudaMemsetAsync(argmax_keys_.data(), 0, size_t(gamma) * B * sizeof(unsigned long long), s));
 
@@ -559,6 +563,7 @@ void CudaDrafter::run_step(int rows, bool greedy) {
                        nullptr, B, H, d, s);
   cuda::draft_block_forward(block_.data(), token_rows_.data(), mask_embedding_.data(), block_position_.data(), B, gamma,
                             d, s);
+  p.mark("block rows", s);
 
   const int splits = attention_splits(B);
   for (int l = 0; l < c.num_layers; ++l) {
@@ -568,26 +573,36 @@ void CudaDrafter::run_step(int rows, bool greedy) {
     else  // completes layer l-1: Hd += its MLP output
       cuda::residual_add_rmsnorm_forward(block_.data(), projected_.data(), normed_.data(), w.attention_norm.data(), R,
                                          d, eps, nullptr, nullptr, 0, s);
+    p.mark("add+norm", s);
     cuda::matmul_forward(kvq_.data(), cuda::MatmulOutput::BF16, normed_.data(), w.kvq.data(), nullptr, R, d, 3 * d, s);
+    p.mark("k|v|q gemm", s);
     const cuda::DraftAttentionBatch batch{context_keys + long(l) * B, context_values + long(l) * B, lengths, 2L * d, B};
     cuda::bidirectional_attention_forward(attention_.data(), kvq_.data() + 2 * d, kvq_.data(), kvq_.data() + d, 3L * d,
                                           batch, gamma, c.num_heads, head_dim_, splits, partial_out_.data(),
                                           partial_lse_.data(), counters_.data(), s);
+    p.mark("attention", s);
     cuda::matmul_forward(projected_.data(), cuda::MatmulOutput::BF16, attention_.data(), w.o.data(), nullptr, R, d, d,
                          s);
+    p.mark("o gemm", s);
     cuda::residual_add_rmsnorm_forward(block_.data(), projected_.data(), normed_.data(), w.ff_norm.data(), R, d, eps,
                                        nullptr, nullptr, 0, s);
+    p.mark("add+norm", s);
     cuda::matmul_forward(gate_up_.data(), cuda::MatmulOutput::BF16, normed_.data(), w.gate_up.data(), nullptr, R, d,
                          2 * inner_, s);
+    p.mark("gate|up gemm", s);
     cuda::gelu_tanh_gate_matmul_forward(projected_.data(), cuda::MatmulOutput::BF16, gate_up_.data(), activated_.data(),
                                         w.down.data(), nullptr, R, inner_, d, s);
+    p.mark("gelu+down gemm", s);
   }
   // h = rms(Hd, out_norm) (f32 for the head, bf16 for out_proj); U = (h @ out_proj) @ lm_head^T.
   cuda::residual_add_rmsnorm_forward(block_.data(), projected_.data(), normed_.data(), out_norm_.data(), R, d, eps,
                                      nullptr, hidden_.data(), d, s);
+  p.mark("add+norm", s);
   cuda::matmul_forward(head_input_.data(), cuda::MatmulOutput::BF16, normed_.data(), out_projection_.data(), nullptr, R,
                        d, H, s);
+  p.mark("out_proj gemm", s);
   cuda::matmul_forward(logits_.data(), cuda::MatmulOutput::F32, head_input_.data(), head_.lm_head, nullptr, R, H, V, s);
+  p.mark("lm head gemm", s);
 
   // The sequential head, position by position for all rows: L_k = U_k + B_k in place, then x_k.
   const cuda::SequentialHeadWeights weights{head_embedding_.data(), confidence_weight_.data(), confidence_bias_.data(),
@@ -604,9 +619,11 @@ void CudaDrafter::run_step(int rows, bool greedy) {
                                            argmax_keys_.data() + long(k) * B, any_alive, s);
       else
         cuda::matmul_in_out_forward(logits, x, head_out_.data(), nullptr, B, r, V, true, any_alive, s);
+      p.mark(greedy ? "head vocab gemm+argmax" : "head vocab gemm", s);
     };
     cuda::sequential_head_prepare_forward(e_.data(), recurrent_input_.data(), state_.data(), hidden_.data(), k, B, r, d,
                                           V, kind_, weights, control, head, s);
+    p.mark("head prepare", s);
     switch (kind_) {
       case cuda::SequentialHeadKind::Markov:  // B = e @ w2
         vocabulary_head(e_.data());
@@ -615,6 +632,7 @@ void CudaDrafter::run_step(int rows, bool greedy) {
         cuda::matmul_in_out_forward(recurrent_pre_.data(), state_.data(), recurrent_.data(), recurrent_bias_.data(), B,
                                     r, r, false, any_alive, s);
         cuda::recurrent_update_forward(state_.data(), nullptr, recurrent_pre_.data(), e_.data(), B, r, kind_, s);
+        p.mark("head recurrent", s);
         vocabulary_head(state_.data());
         break;
       case cuda::SequentialHeadKind::Gru:  // [g, c, o] = z @ wJ + bJ; s = σ(g) s + (1 - σ(g)) tanh(c); B = tanh(o) @ w2
@@ -622,12 +640,17 @@ void CudaDrafter::run_step(int rows, bool greedy) {
                                     recurrent_bias_.data(), B, 2 * r + d, 3 * r, false, any_alive, s);
         cuda::recurrent_update_forward(state_.data(), head_output_.data(), recurrent_pre_.data(), e_.data(), B, r,
                                        kind_, s);
+        p.mark("head recurrent", s);
         vocabulary_head(head_output_.data());
         break;
     }
-    if (!greedy) cuda::select_tokens_forward(tokens + long(k) * B, logits, uniforms + long(k) * B, params, B, V, s);
+    if (!greedy) {
+      cuda::select_tokens_forward(tokens + long(k) * B, logits, uniforms + long(k) * B, params, B, V, s);
+      p.mark("head token selection", s);
+    }
   }
   if (greedy) cuda::argmax_tokens_forward(tokens, argmax_keys_.data(), gamma * B, s);
+  p.mark("head argmax tokens", s);
 }
 
 }  // namespace dspark

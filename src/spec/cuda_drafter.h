@@ -25,7 +25,8 @@
 // skips its vocabulary-wide matmul. Steps are captured as one CUDA graph per
 // batch bucket (1, 2, 4, ... 64 rows; padding rows have no context and draft
 // nothing) and kind (greedy or sampled), on its first use after it has run
-// once eagerly.
+// once eagerly. DSPARK_DRAFT_GRAPHS=0 runs every step eagerly;
+// DSPARK_DRAFT_PROFILE=1 does too and prints the mean time of each op.
 //
 // Sampling: the row's uniforms are drawn from a copy of its stream; after the
 // step the stream advances by the number of tokens kept, so it is consumed as
@@ -48,6 +49,7 @@
 
 #include "kernels/cuda/buffer.h"
 #include "kernels/cuda/draft.h"
+#include "kernels/cuda/step_profiler.h"
 #include "model/cuda_target.h"
 #include "spec/draft.h"
 
@@ -180,6 +182,7 @@ class CudaDrafter {
   std::vector<int32_t> order_;
   std::map<std::pair<int, bool>, cudaGraphExec_t> graphs_;  // per (batch bucket, greedy)
   cudaEvent_t step_start_ = nullptr, step_stop_ = nullptr;  // set while step timing is on
+  cuda::StepProfiler profiler_{"DSPARK_DRAFT_PROFILE", "draft profile"};  // on: every step eager, per-op times
 };
 
 }  // namespace dspark

@@ -22,6 +22,7 @@ tests_status=${PIPESTATUS[0]}
 python3 bench/decode_vs_hf.py --dspark .device/bin/dspark --shapes qwen3-8b --workdir /tmp/bench \
   --results /dev/null --checkpoints-only || exit 1
 bench_status=0
+rm -f "$out/bench_draft.jsonl"
 for head in markov rnn gru; do
   for batch in 1 4; do
     [ "$head" != markov ] && [ "$batch" != 1 ] && continue
@@ -31,6 +32,9 @@ for head in markov rnn gru; do
     .device/bin/dspark bench draft "${args[@]}" --json | tee -a "$out/bench_draft.jsonl" || bench_status=1
   done
 done
+echo "== per-op profile of both steps (eager: slower than the graphs above), markov head, batch 1"
+DSPARK_DRAFT_PROFILE=1 DSPARK_PROFILE=1 .device/bin/dspark bench draft -m /tmp/bench/qwen3-8b --d-draft 1024 \
+  --layers 5 --heads 8 --gamma 7 --batch 1 --context 512 --runs 20 2>&1 | tee "$out/bench_draft_profile.txt"
 python3 - "$out/bench_draft.jsonl" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
