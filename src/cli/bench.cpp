@@ -4,6 +4,12 @@
 // Every step is timed on the host around a complete, synchronised forward
 // (what a decode loop actually waits for), after warm-up steps that also
 // capture the CUDA graphs; the median of the timed steps is reported.
+//
+// dspark bench spec: plain vs speculative decoding of the same prompts.
+//
+// dspark bench draft: one GPU draft step (backbone + head + pruning) against
+// one target decode step at the same batch and context, timed with CUDA
+// events on each one's stream around the complete call (median after warm-up).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -25,7 +31,10 @@
 #include "spec/scheduler.h"
 #include "spec/speculative.h"
 #ifdef DSPARK_CUDA
+#include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device.h"
+#include "model/cuda_target.h"
+#include "spec/cuda_drafter.h"
 #endif
 
 namespace dspark::cli {
@@ -453,6 +462,169 @@ void run_bench_spec(const BenchSpecFlags& flags) {
   if (!flags.plot.empty()) std::printf("wrote %s\n", flags.plot.c_str());
 }
 
+struct BenchDraftFlags {
+  std::string model = default_model_directory();
+  std::string draft;     // a drafter directory; empty: a fresh one from `config`
+  DrafterConfig config;  // (its tap layers: the target's default)
+  uint32_t seed = 0;
+  int batch = 1;
+  int context = 512;
+  int runs = 50;
+  bool json = false;
+};
+
+#ifdef DSPARK_CUDA
+// Milliseconds from an event recorded on `stream` before `call` to one recorded after it.
+template <class Call>
+double event_milliseconds(cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop, Call call) {
+  CUDA_CHECK(cudaEventRecord(start, stream));
+  call();
+  CUDA_CHECK(cudaEventRecord(stop, stream));
+  CUDA_CHECK(cudaEventSynchronize(stop));
+  float milliseconds = 0.0f;
+  CUDA_CHECK(cudaEventElapsedTime(&milliseconds, start, stop));
+  return milliseconds;
+}
+#endif
+
+void run_bench_draft(const BenchDraftFlags& flags) {
+#ifndef DSPARK_CUDA
+  fail("bench draft: this build has no CUDA support (nvcc was not found at build time)");
+#else
+  DSPARK_CHECK(cuda::device_count() > 0, "bench draft: no CUDA GPU is visible");
+  const std::unique_ptr<Target> target = load_target(flags.model, "cuda");
+  const ModelConfig& c = target->config();
+  const CudaTargetHead head = *cuda_target_head(*target);
+  Drafter drafter;
+  if (flags.draft.empty()) {
+    DrafterConfig config = flags.config;
+    config.tap_layers = default_tap_layers(c.num_layers);
+    validate_drafter_config(config, c.num_layers);
+    drafter = init_drafter(config, {c.hidden_size, c.vocab_size, c.rms_norm_eps}, target_id_of(flags.model),
+                           flags.seed);
+  } else {
+    drafter = load_drafter(flags.draft);
+    check_drafter_matches_target(drafter, c, target_id_of(flags.model));
+  }
+  const DrafterConfig config = drafter.config;
+  const int gamma = config.gamma, width = static_cast<int>(config.tap_layers.size()) * c.hidden_size;
+  DSPARK_CHECK(flags.context + gamma + 2 <= c.max_positions, "--context ", flags.context, " leaves no room for a ",
+               "step in the target's context of ", c.max_positions);
+  CudaDrafter gpu(drafter, head);
+  drafter = Drafter{};  // uploaded: the host copy is no longer needed
+
+  // B requests, each with `context` rows of tapped features (random: the
+  // step's cost does not depend on their values) and a random anchor.
+  Rng rng(1234);
+  std::vector<float> rows(size_t(flags.context + gamma + 1) * width);
+  for (float& value : rows) value = float(2.0 * rng.uniform() - 1.0);
+  std::vector<CudaDraftRequest> requests;
+  for (int b = 0; b < flags.batch; ++b) {
+    const int context = gpu.create_context();
+    gpu.extend_context(context, rows.data(), flags.context);
+    requests.push_back({context, int32_t(rng.next() % c.vocab_size), nullptr});
+  }
+  gpu.flush_contexts();
+  cudaEvent_t start, stop;
+  CUDA_CHECK(cudaEventCreate(&start));
+  CUDA_CHECK(cudaEventCreate(&stop));
+  constexpr int kWarmup = 3;  // the first step of a bucket runs eagerly and is captured; then replays
+
+  // The draft step: every position drafted (no thresholds, no floor).
+  gpu.enable_step_timing(true);
+  std::vector<DraftResult> results;
+  std::vector<double> draft_ms, draft_device_ms, draft_host_ms;
+  for (int run = 0; run < kWarmup + flags.runs; ++run) {
+    const auto host_start = std::chrono::steady_clock::now();
+    const double milliseconds =
+        event_milliseconds(gpu.stream(), start, stop, [&] { gpu.draft(requests, DraftOptions{}, results); });
+    const double host = std::chrono::duration<double>(std::chrono::steady_clock::now() - host_start).count() * 1e3;
+    if (run < kWarmup) continue;
+    draft_ms.push_back(milliseconds);
+    draft_device_ms.push_back(gpu.last_step_milliseconds());
+    draft_host_ms.push_back(host);
+  }
+  gpu.enable_step_timing(false);
+
+  // The context extension one round at most adds (pending + gamma accepted rows per request), rolled back after.
+  std::vector<double> extend_ms;
+  for (int run = 0; run < kWarmup + flags.runs; ++run) {
+    for (const CudaDraftRequest& request : requests)
+      gpu.extend_context(request.context, rows.data() + size_t(flags.context) * width, gamma + 1);
+    const double milliseconds = event_milliseconds(gpu.stream(), start, stop, [&] { gpu.flush_contexts(); });
+    for (const CudaDraftRequest& request : requests) gpu.truncate_context(request.context, flags.context);
+    if (run >= kWarmup) extend_ms.push_back(milliseconds);
+  }
+
+  // One target decode step at the same batch and context, rolled back after each run.
+  std::vector<int> sequences;
+  std::vector<int32_t> prompt(flags.context), next(flags.batch);
+  std::vector<TargetInput> inputs;
+  for (int b = 0; b < flags.batch; ++b) {
+    for (int32_t& token : prompt) token = int32_t(rng.next() % c.vocab_size);
+    sequences.push_back(target->create_sequence(flags.context + 1));
+    TargetInput input{sequences.back(), prompt, false};
+    TargetResult result;
+    target->forward({&input, 1}, TargetRequest{}, result);
+    next[b] = result.tokens[0];
+  }
+  std::vector<double> target_ms, target_host_ms;
+  TargetResult result;
+  for (int run = 0; run < kWarmup + flags.runs; ++run) {
+    inputs.clear();
+    for (int b = 0; b < flags.batch; ++b) inputs.push_back({sequences[b], {&next[b], 1}, false});
+    const auto host_start = std::chrono::steady_clock::now();
+    const double milliseconds =
+        event_milliseconds(head.stream, start, stop, [&] { target->forward(inputs, TargetRequest{}, result); });
+    const double host = std::chrono::duration<double>(std::chrono::steady_clock::now() - host_start).count() * 1e3;
+    for (int sequence : sequences) target->truncate_sequence(sequence, flags.context);
+    if (run < kWarmup) continue;
+    target_ms.push_back(milliseconds);
+    target_host_ms.push_back(host);
+  }
+  for (int sequence : sequences) target->release_sequence(sequence);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+
+  const double draft = median(draft_ms), decode = median(target_ms), ratio = draft / decode;
+  Json out = {{"device", target->device_description()},
+              {"target", flags.model},
+              {"draft", flags.draft.empty() ? "fresh init" : flags.draft},
+              {"seq_head", config.seq_head},
+              {"gamma", gamma},
+              {"d_draft", config.d_draft},
+              {"layers", config.num_layers},
+              {"heads", config.num_heads},
+              {"markov_rank", config.markov_rank},
+              {"hidden_size", c.hidden_size},
+              {"vocab_size", c.vocab_size},
+              {"batch", flags.batch},
+              {"context", flags.context},
+              {"runs", flags.runs},
+              {"draft_ms", draft},
+              {"draft_device_ms", median(draft_device_ms)},
+              {"draft_host_ms", median(draft_host_ms)},
+              {"extend_ms", median(extend_ms)},
+              {"target_decode_ms", decode},
+              {"target_decode_host_ms", median(target_host_ms)},
+              {"ratio", ratio},
+              {"ratio_with_extend", (draft + median(extend_ms)) / decode}};
+  if (flags.json) {
+    std::cout << out.dump() << std::endl;
+    return;
+  }
+  std::printf("%s; %s head, gamma %d, d %d, %d layers; batch %d, context %d; median of %d\n",
+              out["device"].get<std::string>().c_str(), config.seq_head.c_str(), gamma, config.d_draft,
+              config.num_layers, flags.batch, flags.context, flags.runs);
+  std::printf("draft step   %8.3f ms (device %.3f ms, host %.3f ms)\n", draft, median(draft_device_ms),
+              median(draft_host_ms));
+  std::printf("extend %2d rows %6.3f ms\n", gamma + 1, median(extend_ms));
+  std::printf("target decode %7.3f ms (host %.3f ms)\n", decode, median(target_host_ms));
+  std::printf("draft / decode = %.1f%% (with the extension %.1f%%)\n", 100.0 * ratio,
+              100.0 * (draft + median(extend_ms)) / decode);
+#endif
+}
+
 }  // namespace
 
 void add_bench_command(CLI::App& app) {
@@ -501,6 +673,34 @@ void add_bench_command(CLI::App& app) {
   spec->add_flag("--json", spec_flags->json, "print one JSON object");
   add_device_option(*spec, spec_flags->device);
   spec->callback([spec_flags] { run_bench_spec(*spec_flags); });
+
+  auto draft_flags = std::make_shared<BenchDraftFlags>();
+  CLI::App* draft = bench->add_subcommand("draft", "One GPU draft step against one target decode step");
+  draft->add_option("-m,--model", draft_flags->model, "the target's HF model directory")->capture_default_str();
+  draft->add_option("-d,--draft", draft_flags->draft, "a DSpark drafter directory (default: a fresh one, below)");
+  draft->add_option("--gamma", draft_flags->config.gamma, "fresh drafter: tokens drafted per round")
+      ->capture_default_str()->check(CLI::Range(1, 32));
+  draft->add_option("--d-draft", draft_flags->config.d_draft, "fresh drafter: width")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  draft->add_option("--layers", draft_flags->config.num_layers, "fresh drafter: backbone layers")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  draft->add_option("--heads", draft_flags->config.num_heads, "fresh drafter: attention heads")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  draft->add_option("--markov-rank", draft_flags->config.markov_rank, "fresh drafter: head rank")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  draft->add_option("--ff-mult", draft_flags->config.ff_mult, "fresh drafter: MLP width multiplier")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  draft->add_option("--seq-head", draft_flags->config.seq_head, "fresh drafter: sequential head")
+      ->capture_default_str()->check(CLI::IsMember({"markov", "rnn", "gru"}));
+  draft->add_option("--seed", draft_flags->seed, "fresh drafter: initialisation seed")->capture_default_str();
+  draft->add_option("--batch", draft_flags->batch, "requests drafted (and decoded) together")->capture_default_str()
+      ->check(CLI::Range(1, 256));
+  draft->add_option("--context", draft_flags->context, "context rows per request")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  draft->add_option("--runs", draft_flags->runs, "timed steps (after 3 warm-up steps)")->capture_default_str()
+      ->check(CLI::Range(1, 100000));
+  draft->add_flag("--json", draft_flags->json, "print one JSON object");
+  draft->callback([draft_flags] { run_bench_draft(*draft_flags); });
 }
 
 }  // namespace dspark::cli

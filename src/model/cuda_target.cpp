@@ -41,6 +41,7 @@
 #include "kernels/cuda/rmsnorm.h"
 #include "kernels/cuda/rope.h"
 #include "kernels/cuda/sampling.h"
+#include "kernels/cuda/step_profiler.h"
 
 namespace dspark {
 namespace {
@@ -82,59 +83,6 @@ DeviceBuffer<float> upload_f32(const SafetensorsCheckpoint& checkpoint, const st
   CUDA_CHECK(cudaMemcpy(buffer.data(), values.data, buffer.bytes(), cudaMemcpyHostToDevice));
   return buffer;
 }
-
-// With DSPARK_PROFILE=1 every step runs eagerly with an event after each op;
-// the mean time per op and step is printed when the target is destroyed.
-class StepProfiler {
- public:
-  StepProfiler() : enabled_(std::getenv("DSPARK_PROFILE") && std::string(std::getenv("DSPARK_PROFILE")) == "1") {}
-  ~StepProfiler() {
-    if (!enabled_ || steps_ == 0) return;
-    double total = 0.0;
-    for (const auto& [name, milliseconds] : totals_) total += milliseconds;
-    std::fprintf(stderr, "profile: %ld steps, %.3f ms per step\n", steps_, total / steps_);
-    for (const auto& [name, milliseconds] : totals_)
-      std::fprintf(stderr, "  %-22s %9.1f us  %5.1f%%\n", name.c_str(), 1e3 * milliseconds / steps_,
-                   100.0 * milliseconds / total);
-    for (cudaEvent_t event : events_) cudaEventDestroy(event);
-  }
-  bool enabled() const { return enabled_; }
-  void mark(const char* name, cudaStream_t stream) {
-    if (!enabled_) return;
-    if (marks_ == events_.size()) {
-      events_.emplace_back();
-      CUDA_CHECK(cudaEventCreate(&events_.back()));
-    }
-    CUDA_CHECK(cudaEventRecord(events_[marks_], stream));
-    names_.resize(marks_ + 1);
-    names_[marks_++] = name;
-  }
-  // Accumulates the time between consecutive marks under the later mark's name.
-  void finish_step() {
-    if (!enabled_ || marks_ == 0) return;
-    CUDA_CHECK(cudaEventSynchronize(events_[marks_ - 1]));
-    if (++seen_ <= kWarmupSteps) {  // first steps also choose GEMM algorithms: not representative
-      marks_ = 0;
-      return;
-    }
-    for (size_t i = 1; i < marks_; ++i) {
-      float milliseconds = 0.0f;
-      CUDA_CHECK(cudaEventElapsedTime(&milliseconds, events_[i - 1], events_[i]));
-      totals_[names_[i]] += milliseconds;
-    }
-    ++steps_;
-    marks_ = 0;
-  }
-
- private:
-  bool enabled_;
-  std::vector<cudaEvent_t> events_;
-  std::vector<std::string> names_;
-  static constexpr long kWarmupSteps = 3;
-  size_t marks_ = 0;
-  long steps_ = 0, seen_ = 0;
-  std::map<std::string, double> totals_;
-};
 
 struct CudaLayer {
   DeviceBuffer<float> input_norm, post_attention_norm, q_norm, k_norm;  // f32, tiny
@@ -178,6 +126,7 @@ class CudaTarget final : public Target {
   int sequence_length(int sequence) const override { return state(sequence).length; }
   void truncate_sequence(int sequence, int length) override;
   void forward(std::span<const TargetInput> inputs, const TargetRequest& request, TargetResult& result) override;
+  CudaTargetHead head() const { return {embed_tokens_.data(), lm_head_, stream_}; }
 
  private:
   // What one forward runs, after padding: the shapes every kernel launch sees.
@@ -233,7 +182,7 @@ class CudaTarget final : public Target {
   PinnedBuffer<int32_t> chosen_host_;
   PinnedBuffer<float> nll_host_;
 
-  StepProfiler profiler_;
+  cuda::StepProfiler profiler_{"DSPARK_PROFILE", "profile"};
   std::map<StepShape, cudaGraphExec_t> graphs_;
   std::map<StepShape, int> eager_runs_;  // a shape is captured on its second use
 };
@@ -629,7 +578,7 @@ void CudaTarget::run_step(const StepShape& shape, std::span<const int> taps, boo
   float* x = residual_.data();
   cudaStream_t s = stream_;
 
-  StepProfiler& p = profiler_;
+  cuda::StepProfiler& p = profiler_;
   p.mark("start", s);
   cuda::embedding_forward(x, embed_tokens_.data(), tokens, T, H, s);
   p.mark("embedding", s);
@@ -688,6 +637,12 @@ void CudaTarget::run_step(const StepShape& shape, std::span<const int> taps, boo
 
 std::unique_ptr<Target> make_cuda_target(const std::filesystem::path& model_directory) {
   return std::make_unique<CudaTarget>(model_directory);
+}
+
+std::optional<CudaTargetHead> cuda_target_head(const Target& target) {
+  const auto* cuda_target = dynamic_cast<const CudaTarget*>(&target);
+  if (!cuda_target) return std::nullopt;
+  return cuda_target->head();
 }
 
 }  // namespace dspark

@@ -66,8 +66,10 @@ void backbone_forward(const Drafter& drafter, const TargetHead& head, std::span<
     cpu::matmul_in_out_forward(v, normed, drafter[layer_name(l, "v")], rows, d, d);
     for (int b = 0; b < B; ++b) {  // keys / values = [context ; block]
       const int length = contexts[b]->length;
-      std::copy_n(contexts[b]->keys[l].data(), long(length) * d, keys);
-      std::copy_n(contexts[b]->values[l].data(), long(length) * d, values);
+      if (length > 0) {  // a context never extended has no per-layer vectors at all
+        std::copy_n(contexts[b]->keys[l].data(), long(length) * d, keys);
+        std::copy_n(contexts[b]->values[l].data(), long(length) * d, values);
+      }
       std::copy_n(k + long(b) * gamma * d, long(gamma) * d, keys + long(length) * d);
       std::copy_n(v + long(b) * gamma * d, long(gamma) * d, values + long(length) * d);
       cpu::bidirectional_attention_forward(attention + long(b) * gamma * d, q + long(b) * gamma * d, keys, values,

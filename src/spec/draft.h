@@ -73,6 +73,8 @@ struct DraftResult {
   std::vector<int32_t> tokens;    // n >= 1 drafted tokens
   std::vector<float> confidence;  // [n] c_k
   std::vector<float> logits;      // [n, V] L_k, when collected
+  std::vector<float> probs;       // [n, V] the processed distributions the tokens were drawn from, when the
+                                  // GPU drafter samples (spec/cuda_drafter.h); the CPU drafter leaves it empty
 };
 
 // Activations reused across calls.

@@ -1,5 +1,6 @@
 // Choosing a draft source by name, as the CLI does: "ngram", or the
-// directory of a DSpark drafter for the given target.
+// directory of a DSpark drafter for the given target (run on the GPU, beside
+// the target, when the target is a CUDA target; on the CPU otherwise).
 #pragma once
 #include <filesystem>
 #include <memory>
@@ -13,7 +14,7 @@ namespace dspark {
 
 struct LoadedDraftSource {
   std::unique_ptr<Drafter> drafter;            // when a DSpark drafter
-  std::unique_ptr<TargetHeadWeights> head;     // the target's embedding / LM head it reads
+  std::unique_ptr<TargetHeadWeights> head;     // the target's embedding / LM head it reads (CPU drafting only)
   std::unique_ptr<DraftSource> source;
   int default_gamma = 8;
 };

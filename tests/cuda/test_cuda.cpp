@@ -11,6 +11,7 @@
 #include "core/dtype.h"
 #include "core/file.h"
 #include "core/random.h"
+#include "device_test_util.h"
 #include "golden.h"
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/attention.h"
@@ -41,56 +42,13 @@ using bf16 = __nv_bfloat16;
 using cuda::DeviceBuffer;
 using testing::golden_model;
 using testing::golden_reference;
+using testing::bf16_rounded;
+using testing::from_device;
+using testing::kBf16Tolerance;
+using testing::random_values;
 using testing::relative_error;
-
-// ---------------------------------------------------------------- helpers
-
-std::vector<float> random_values(size_t count, uint64_t seed, float scale = 1.0f) {
-  Rng rng(seed);
-  std::vector<float> values(count);
-  for (float& value : values) value = scale * static_cast<float>(2.0 * rng.uniform() - 1.0);
-  return values;
-}
-
-// Rounds to bf16 and back: the inputs both sides see.
-std::vector<float> bf16_rounded(std::vector<float> values) {
-  for (float& value : values) value = bf16_to_f32(f32_to_bf16(value));
-  return values;
-}
-
-DeviceBuffer<bf16> to_device_bf16(const std::vector<float>& values) {
-  std::vector<uint16_t> bits(values.size());
-  for (size_t i = 0; i < values.size(); ++i) bits[i] = f32_to_bf16(values[i]);
-  DeviceBuffer<bf16> buffer(values.size());
-  CUDA_CHECK(cudaMemcpy(buffer.data(), bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
-  return buffer;
-}
-
-template <class T>
-DeviceBuffer<T> to_device(const std::vector<T>& values) {
-  DeviceBuffer<T> buffer(values.size());
-  CUDA_CHECK(cudaMemcpy(buffer.data(), values.data(), buffer.bytes(), cudaMemcpyHostToDevice));
-  return buffer;
-}
-
-std::vector<float> from_device(const DeviceBuffer<bf16>& buffer) {
-  CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<uint16_t> bits(buffer.size());
-  CUDA_CHECK(cudaMemcpy(bits.data(), buffer.data(), buffer.bytes(), cudaMemcpyDeviceToHost));
-  std::vector<float> values(bits.size());
-  for (size_t i = 0; i < bits.size(); ++i) values[i] = bf16_to_f32(bits[i]);
-  return values;
-}
-
-template <class T>
-std::vector<T> from_device(const DeviceBuffer<T>& buffer) {
-  CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<T> values(buffer.size());
-  CUDA_CHECK(cudaMemcpy(values.data(), buffer.data(), buffer.bytes(), cudaMemcpyDeviceToHost));
-  return values;
-}
-
-constexpr double kBf16Tolerance = 1e-2;  // bf16 outputs of f32 math on bf16 inputs
+using testing::to_device;
+using testing::to_device_bf16;
 
 // ---------------------------------------------------------------- ops
 

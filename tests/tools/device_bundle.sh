@@ -3,7 +3,9 @@
 # (git-ignored; pass it to the device tool as a carried path): the dspark and
 # dspark_cuda_tests binaries built here, and the shared libraries they load
 # that a CUDA image lacks (OpenBLAS, PCRE2, utf8proc, PLplot and their
-# runtimes; the cairo driver and its libraries for PNG plots, packed).
+# runtimes; the cairo driver and its libraries for PNG plots, packed), the
+# binaries and libraries xz-compressed (the device tool carries at most 64 MiB
+# with the tree); tests/tools/device_unpack.sh, run there first, restores them.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 scripts/build.sh >/dev/null
@@ -44,4 +46,5 @@ printf '<?xml version="1.0"?>\n<fontconfig><dir prefix="relative">.</dir><cached
 copy_libraries "$drivers/cairo.so" "$staging/lib"
 tar -C "$staging" -czf .device/plot-runtime.tar.gz .
 rm -rf "$staging"
+xz -T0 -6 .device/bin/* .device/lib/*
 du -sh .device

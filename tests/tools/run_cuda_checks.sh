@@ -5,6 +5,7 @@
 # $DSPARK_PLOT_DIR (default: a temporary directory).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+tests/tools/device_unpack.sh
 export LD_LIBRARY_PATH="$PWD/.device/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 export DSPARK_GOLDEN_DIR="$PWD/tests/golden"
 if [ -f .device/plot-runtime.tar.gz ]; then  # PNG plots: PLplot's cairo driver and what it loads

@@ -1,4 +1,5 @@
-// SwiGLU on the fused gate|up GEMM output (CUDA version of kernels/cpu/activation.h).
+// Gated activations on the fused gate|up GEMM output (CUDA versions of
+// kernels/cpu/activation.h): SwiGLU for the target, gelu_tanh for the drafter.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -8,5 +9,9 @@ namespace dspark::cuda {
 // out [rows, F] = silu(gate_up[:, :F]) * gate_up[:, F:]   (gate_up [rows, 2F])
 void swiglu_forward(__nv_bfloat16* out, const __nv_bfloat16* gate_up, int rows, int intermediate,
                     cudaStream_t stream);
+
+// out [rows, F] = gelu_tanh(gate_up[:, :F]) * gate_up[:, F:]   (gate_up [rows, 2F])
+void gelu_tanh_gate_forward(__nv_bfloat16* out, const __nv_bfloat16* gate_up, int rows, int intermediate,
+                            cudaStream_t stream);
 
 }  // namespace dspark::cuda

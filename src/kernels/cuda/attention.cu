@@ -186,7 +186,209 @@ void launch(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_c
   CUDA_CHECK_LAUNCH();
 }
 
+// ---- bidirectional block attention (the drafter) ----
+
+// 8 warps: with γ <= 8 each query row has a warp of its own, and each thread
+// keeps at most 4 rows' softmax state (more spills registers).
+constexpr int kDraftWarps = 8;
+constexpr int kDraftRowsPerWarp = kMaxDraftQueries / kDraftWarps;
+
+// Dynamic shared memory: keys and values [kBlockSize][head_dim + 2] bf16 (the
+// pad puts the lanes scoring their own key on distinct banks), then the
+// queries [γ][head_dim] f32.
+size_t bidirectional_shared_bytes(int gamma, int head_dim) {
+  return 2 * size_t(kBlockSize) * (head_dim + 2) * sizeof(bf16) + size_t(gamma) * head_dim * sizeof(float);
+}
+
+// grid: x = KV split, y = head, z = row b. DIMS_PER_LANE = ceil(head_dim / 32).
+template <int DIMS_PER_LANE>
+__global__ void __launch_bounds__(kDraftWarps * 32)
+    bidirectional_attention_kernel(bf16* out, const bf16* q, const bf16* block_keys, const bf16* block_values,
+                                   long block_stride, DraftAttentionBatch batch, int gamma, int heads, int head_dim,
+                                   int splits, float* partial_out, float* partial_lse, unsigned* counters) {
+  extern __shared__ __align__(16) unsigned char shared[];
+  __shared__ bool merges;
+  const int padded = head_dim + 2;
+  bf16* keys = reinterpret_cast<bf16*>(shared);
+  bf16* values = keys + kBlockSize * padded;
+  float* queries = reinterpret_cast<float*>(values + kBlockSize * padded);
+  const int split = blockIdx.x, head = blockIdx.y, b = blockIdx.z;
+  const int rows = batch.rows;
+  const int length = batch.context_length[b];
+  const int total = length + gamma;  // context ++ block
+  const int tiles = (total + kBlockSize - 1) / kBlockSize;
+  const int tiles_per_split = (tiles + splits - 1) / splits;
+  const int tile_begin = split * tiles_per_split;
+  const int tile_end = min(tiles, tile_begin + tiles_per_split);
+  const bf16* context_keys = batch.context_keys[b];
+  const bf16* context_values = batch.context_values[b];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const float scale = rsqrtf(static_cast<float>(head_dim));
+  const long head_offset = static_cast<long>(head) * head_dim;
+
+  for (int i = threadIdx.x; i < gamma * head_dim; i += kDraftWarps * 32) {
+    const int k = i / head_dim, dim = i % head_dim;
+    queries[i] = __bfloat162float(q[(static_cast<long>(k) * rows + b) * block_stride + head_offset + dim]);
+  }
+  float running_max[kDraftRowsPerWarp], running_sum[kDraftRowsPerWarp], accumulator[kDraftRowsPerWarp][DIMS_PER_LANE];
+#pragma unroll
+  for (int r = 0; r < kDraftRowsPerWarp; ++r) {
+    running_max[r] = -INFINITY;
+    running_sum[r] = 0.0f;
+#pragma unroll
+    for (int d = 0; d < DIMS_PER_LANE; ++d) accumulator[r][d] = 0.0f;
+  }
+  const int chunks = head_dim / 8;  // 16-byte pieces of one key row
+  for (int tile = tile_begin; tile < tile_end; ++tile) {
+    __syncthreads();  // the previous tile is no longer read (and the queries are written)
+    for (int i = threadIdx.x; i < kBlockSize * chunks; i += kDraftWarps * 32) {
+      const int key = i / chunks, chunk = i % chunks;
+      const int position = tile * kBlockSize + key;
+      uint4 key_vector = make_uint4(0, 0, 0, 0), value_vector = key_vector;  // past the end: zeros, never NaN
+      if (position < length) {
+        const long offset = static_cast<long>(position) * batch.context_stride + head_offset + chunk * 8;
+        key_vector = *reinterpret_cast<const uint4*>(context_keys + offset);
+        value_vector = *reinterpret_cast<const uint4*>(context_values + offset);
+      } else if (position < total) {
+        const long offset =
+            (static_cast<long>(position - length) * rows + b) * block_stride + head_offset + chunk * 8;
+        key_vector = *reinterpret_cast<const uint4*>(block_keys + offset);
+        value_vector = *reinterpret_cast<const uint4*>(block_values + offset);
+      }
+      uint32_t* key_words = reinterpret_cast<uint32_t*>(keys + key * padded + chunk * 8);
+      uint32_t* value_words = reinterpret_cast<uint32_t*>(values + key * padded + chunk * 8);
+      key_words[0] = key_vector.x, key_words[1] = key_vector.y, key_words[2] = key_vector.z;
+      key_words[3] = key_vector.w;
+      value_words[0] = value_vector.x, value_words[1] = value_vector.y, value_words[2] = value_vector.z;
+      value_words[3] = value_vector.w;
+    }
+    __syncthreads();
+    const int key_position = tile * kBlockSize + lane;
+#pragma unroll
+    for (int r = 0; r < kDraftRowsPerWarp; ++r) {
+      const int k = r * kDraftWarps + warp;
+      if (k >= gamma) continue;  // the same for the whole warp
+      float score = -INFINITY;
+      if (key_position < total) {
+        const float* query = queries + k * head_dim;
+        const bf16* key = keys + lane * padded;
+        float dot = 0.0f;
+#pragma unroll 8
+        for (int pair = 0; pair < head_dim / 2; ++pair) {
+          const float2 key_pair = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(key + 2 * pair));
+          dot += query[2 * pair] * key_pair.x + query[2 * pair + 1] * key_pair.y;
+        }
+        score = dot * scale;
+      }
+      const float new_max = fmaxf(running_max[r], warp_max(score));
+      if (new_max == -INFINITY) continue;  // no key of this tile (cannot happen inside [0, total))
+      const float weight = __expf(score - new_max);
+      const float correction = __expf(running_max[r] - new_max);
+      running_sum[r] = running_sum[r] * correction + warp_sum(weight);
+      running_max[r] = new_max;
+#pragma unroll
+      for (int d = 0; d < DIMS_PER_LANE; ++d) accumulator[r][d] *= correction;
+      for (int j = 0; j < kBlockSize; ++j) {
+        const float p = __shfl_sync(0xffffffffu, weight, j);
+        const bf16* value = values + j * padded;
+#pragma unroll
+        for (int d = 0; d < DIMS_PER_LANE; ++d) {
+          const int dim = lane * DIMS_PER_LANE + d;
+          if (dim < head_dim) accumulator[r][d] += p * __bfloat162float(value[dim]);
+        }
+      }
+    }
+  }
+  const long width = static_cast<long>(heads) * head_dim;
+  const long partial_base = (static_cast<long>(b) * heads + head) * splits;  // this (row, head)'s first split
+#pragma unroll
+  for (int r = 0; r < kDraftRowsPerWarp; ++r) {
+    const int k = r * kDraftWarps + warp;
+    if (k >= gamma) continue;
+    const float inverse = running_sum[r] > 0.0f ? 1.0f / running_sum[r] : 0.0f;
+#pragma unroll
+    for (int d = 0; d < DIMS_PER_LANE; ++d) {
+      const int dim = lane * DIMS_PER_LANE + d;
+      if (dim >= head_dim) continue;
+      if (splits == 1)
+        out[(static_cast<long>(k) * rows + b) * width + head_offset + dim] = __float2bfloat16(accumulator[r][d] * inverse);
+      else
+        partial_out[((partial_base + split) * gamma + k) * head_dim + dim] = accumulator[r][d] * inverse;
+    }
+    if (splits > 1 && lane == 0)
+      partial_lse[(partial_base + split) * gamma + k] =
+          running_sum[r] > 0.0f ? running_max[r] + __logf(running_sum[r]) : -INFINITY;
+  }
+  if (splits == 1) return;
+
+  // The last split of this (row, head) to finish merges all of them.
+  __threadfence();  // this block's partials are visible device-wide before its ticket is
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned finished = atomicAdd(counters + static_cast<long>(b) * heads + head, 1u);
+    merges = finished == static_cast<unsigned>(splits - 1);
+  }
+  __syncthreads();
+  if (!merges) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < gamma * head_dim; i += kDraftWarps * 32) {
+    const int k = i / head_dim, dim = i % head_dim;
+    float maximum = -INFINITY;
+    for (int s = 0; s < splits; ++s) maximum = fmaxf(maximum, __ldcg(partial_lse + (partial_base + s) * gamma + k));
+    float total_value = 0.0f, weight_sum = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      const float lse = __ldcg(partial_lse + (partial_base + s) * gamma + k);
+      const float weight = lse == -INFINITY ? 0.0f : __expf(lse - maximum);  // empty splits wrote zeros
+      weight_sum += weight;
+      total_value += weight * __ldcg(partial_out + ((partial_base + s) * gamma + k) * head_dim + dim);
+    }
+    out[(static_cast<long>(k) * rows + b) * width + head_offset + dim] =
+        __float2bfloat16(weight_sum > 0.0f ? total_value / weight_sum : 0.0f);
+  }
+  if (threadIdx.x == 0) counters[static_cast<long>(b) * heads + head] = 0;  // ready for the next launch
+}
+
+template <int DIMS_PER_LANE>
+void launch_bidirectional(bf16* out, const bf16* q, const bf16* block_keys, const bf16* block_values,
+                          long block_stride, const DraftAttentionBatch& batch, int gamma, int heads, int head_dim,
+                          int splits, float* partial_out, float* partial_lse, unsigned* counters,
+                          cudaStream_t stream) {
+  // Above 48 KiB of dynamic shared memory needs an opt-in, given once for the
+  // largest use (first made outside graph capture: the drafter runs each shape eagerly first).
+  static const bool opted_in = [] {
+    const int most = static_cast<int>(bidirectional_shared_bytes(kMaxDraftQueries, 32 * DIMS_PER_LANE));
+    CUDA_CHECK(cudaFuncSetAttribute(bidirectional_attention_kernel<DIMS_PER_LANE>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+    return true;
+  }();
+  (void)opted_in;
+  const dim3 grid(splits, heads, batch.rows);
+  bidirectional_attention_kernel<DIMS_PER_LANE>
+      <<<grid, kDraftWarps * 32, bidirectional_shared_bytes(gamma, head_dim), stream>>>(
+          out, q, block_keys, block_values, block_stride, batch, gamma, heads, head_dim, splits, partial_out,
+          partial_lse, counters);
+  CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace
+
+void bidirectional_attention_forward(bf16* out, const bf16* q, const bf16* block_keys, const bf16* block_values,
+                                     long block_stride, const DraftAttentionBatch& batch, int gamma, int heads,
+                                     int head_dim, int splits, float* partial_out, float* partial_lse,
+                                     unsigned* counters, cudaStream_t stream) {
+  DSPARK_CHECK(head_dim % 8 == 0 && head_dim > 0 && head_dim <= 256, "draft attention: head_dim ", head_dim,
+               " is not supported (a multiple of 8, at most 256)");
+  DSPARK_CHECK(gamma >= 1 && gamma <= kMaxDraftQueries, "draft attention: gamma ", gamma, " is outside 1..",
+               kMaxDraftQueries);
+  DSPARK_CHECK(splits >= 1, "draft attention: splits must be positive");
+  if (batch.rows == 0) return;
+  auto launch = head_dim <= 32    ? launch_bidirectional<1>
+                : head_dim <= 64  ? launch_bidirectional<2>
+                : head_dim <= 128 ? launch_bidirectional<4>
+                                  : launch_bidirectional<8>;
+  launch(out, q, block_keys, block_values, block_stride, batch, gamma, heads, head_dim, splits, partial_out,
+         partial_lse, counters, stream);
+}
 
 void attention_forward(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_cache,
                        const AttentionBatch& batch, int total_rows, int heads, int kv_heads, int head_dim, int splits,

@@ -48,4 +48,38 @@ constexpr int kAttentionRowsPerBlock = 16;
 // sequence's end contribute nothing.
 constexpr int kSplitTiles = 8;
 
+// ---- the drafter's block attention (CUDA version of
+// cpu::bidirectional_attention_forward, for a batch of B rows at once) ----
+//
+// Row b's block of γ queries attends, with no mask, to its own retained
+// context (context_length[b] keys / values, ragged across the batch) followed
+// by its own γ block keys / values. Block position k of row b is row k*B + b
+// of q, block_keys, block_values (row stride `block_stride` elements) and of
+// out [γ*B, heads*head_dim]; head h is elements h*head_dim .. of a row.
+// Context position p of row b is at context_keys[b] + p * context_stride (and
+// context_values[b] likewise). Scale head_dim^-0.5.
+//
+// Work: one CTA per (KV split, head, row); each split streams its share of the
+// row's keys in tiles of 32 through shared memory with an online softmax, and
+// the last split to finish (an atomic ticket per (row, head) in `counters`,
+// zeroed once at allocation and left zeroed) merges the splits' partial
+// results, so the op is one kernel launch. partial_out [B*heads*splits*γ*head_dim]
+// and partial_lse [B*heads*splits*γ] are scratch, used only when splits > 1.
+constexpr int kMaxDraftQueries = 32;  // γ <= 32
+
+struct DraftAttentionBatch {
+  const __nv_bfloat16* const* context_keys;    // [B] (may be null where context_length is 0)
+  const __nv_bfloat16* const* context_values;  // [B]
+  const int32_t* context_length;               // [B]
+  long context_stride;                         // elements between context positions
+  int rows;                                    // B
+};
+
+// head_dim a multiple of 8, at most 256; gamma <= kMaxDraftQueries.
+void bidirectional_attention_forward(__nv_bfloat16* out, const __nv_bfloat16* q, const __nv_bfloat16* block_keys,
+                                     const __nv_bfloat16* block_values, long block_stride,
+                                     const DraftAttentionBatch& batch, int gamma, int heads, int head_dim,
+                                     int splits, float* partial_out, float* partial_lse, unsigned* counters,
+                                     cudaStream_t stream);
+
 }  // namespace dspark::cuda

@@ -34,19 +34,27 @@ struct Plan {
 constexpr int kGemvMaxRows = 8;
 constexpr int kGemvWarps = 8;
 
-__device__ __forceinline__ float silu_times(float gate, float up) { return gate / (1.0f + __expf(-gate)) * up; }
+// What the GEMV's input is: x itself, or a gated activation of x = gate|up.
+enum class Gate { None, Silu, GeluTanh };
 
-// SWIGLU: x is [ROWS, 2 * in] gate|up and the input is silu(gate) * up,
+template <Gate GATE>
+__device__ __forceinline__ float gated(float gate, float up) {
+  if constexpr (GATE == Gate::Silu) return gate / (1.0f + __expf(-gate)) * up;
+  return gelu_tanh(gate) * up;
+}
+
+// A gated GATE: x is [ROWS, 2 * in] gate|up and the input is act(gate) * up,
 // so the down projection needs no separate activation kernel.
-template <int ROWS, bool SWIGLU>
+template <int ROWS, Gate GATE>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     gemv_kernel(void* out, bool out_f32, const bf16* x, const bf16* weight, const bf16* bias, int in,
                 int out_features) {
+  constexpr bool kGated = GATE != Gate::None;
   const int lane = threadIdx.x & 31;
   const int feature = blockIdx.x * kGemvWarps + (threadIdx.x >> 5);
   const bf16* row = weight + static_cast<long>(feature) * in;
   if (feature >= out_features) return;
-  const long x_stride = SWIGLU ? 2L * in : in;
+  const long x_stride = kGated ? 2L * in : in;
   float sums[ROWS] = {};
 #pragma unroll 8
   for (int k = lane * 8; k < in; k += 32 * 8) {
@@ -56,14 +64,15 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     for (int r = 0; r < ROWS; ++r) {
       const uint4 activation = __ldg(reinterpret_cast<const uint4*>(x + r * x_stride + k));
       const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&activation);
-      if constexpr (SWIGLU) {
+      if constexpr (kGated) {
         const uint4 up_packed = __ldg(reinterpret_cast<const uint4*>(x + r * x_stride + in + k));
         const __nv_bfloat162* u = reinterpret_cast<const __nv_bfloat162*>(&up_packed);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const float2 wf = __bfloat1622float2(w[j]), gf = __bfloat1622float2(a[j]), uf = __bfloat1622float2(u[j]);
           // rounded to bf16 as the unfused path's activation buffer is
-          const float2 af = __bfloat1622float2(__floats2bfloat162_rn(silu_times(gf.x, uf.x), silu_times(gf.y, uf.y)));
+          const float2 af =
+              __bfloat1622float2(__floats2bfloat162_rn(gated<GATE>(gf.x, uf.x), gated<GATE>(gf.y, uf.y)));
           sums[r] += wf.x * af.x + wf.y * af.y;
         }
       } else {
@@ -89,11 +98,11 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   }
 }
 
-template <int ROWS, bool SWIGLU>
+template <int ROWS, Gate GATE>
 void launch_gemv(void* out, bool out_f32, const bf16* x, const bf16* weight, const bf16* bias, int in, int out_features,
                  cudaStream_t stream) {
   const int blocks = ceil_div(out_features, kGemvWarps);
-  gemv_kernel<ROWS, SWIGLU><<<blocks, kGemvWarps * 32, 0, stream>>>(out, out_f32, x, weight, bias, in, out_features);
+  gemv_kernel<ROWS, GATE><<<blocks, kGemvWarps * 32, 0, stream>>>(out, out_f32, x, weight, bias, in, out_features);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -105,27 +114,27 @@ bool gemv_possible(int rows, int in) {
   return enabled && rows <= kGemvMaxRows && in % 8 == 0;
 }
 
-template <bool SWIGLU>
+template <Gate GATE>
 void gemv_forward(void* out, MatmulOutput out_type, const bf16* x, const bf16* weight, const bf16* bias, int rows,
                   int in, int out_features, cudaStream_t stream) {
   const bool f32 = out_type == MatmulOutput::F32;
   switch (rows) {
     case 1:
-      return launch_gemv<1, SWIGLU>(out, f32, x, weight, bias, in, out_features, stream);
+      return launch_gemv<1, GATE>(out, f32, x, weight, bias, in, out_features, stream);
     case 2:
-      return launch_gemv<2, SWIGLU>(out, f32, x, weight, bias, in, out_features, stream);
+      return launch_gemv<2, GATE>(out, f32, x, weight, bias, in, out_features, stream);
     case 3:
-      return launch_gemv<3, SWIGLU>(out, f32, x, weight, bias, in, out_features, stream);
+      return launch_gemv<3, GATE>(out, f32, x, weight, bias, in, out_features, stream);
     case 4:
-      return launch_gemv<4, SWIGLU>(out, f32, x, weight, bias, in, out_features, stream);
+      return launch_gemv<4, GATE>(out, f32, x, weight, bias, in, out_features, stream);
     case 5:
-      return launch_gemv<5, SWIGLU>(out, f32, x, weight, bias, in, out_features, stream);
+      return launch_gemv<5, GATE>(out, f32, x, weight, bias, in, out_features, stream);
     case 6:
-      return launch_gemv<6, SWIGLU>(out, f32, x, weight, bias, in, out_features, stream);
+      return launch_gemv<6, GATE>(out, f32, x, weight, bias, in, out_features, stream);
     case 7:
-      return launch_gemv<7, SWIGLU>(out, f32, x, weight, bias, in, out_features, stream);
+      return launch_gemv<7, GATE>(out, f32, x, weight, bias, in, out_features, stream);
     default:
-      return launch_gemv<8, SWIGLU>(out, f32, x, weight, bias, in, out_features, stream);
+      return launch_gemv<8, GATE>(out, f32, x, weight, bias, in, out_features, stream);
   }
 }
 
@@ -209,30 +218,211 @@ namespace {
 // up to 8 tokens compute each row's logits bit-identically, which greedy
 // speculative decoding needs to match plain decoding exactly. (cuBLASLt picks
 // a different algorithm, with a different reduction, for different M.)
-// With gate_up set, x is first computed as swiglu(gate_up) (into `x` itself
-// on the cuBLASLt path, fused into the GEMV otherwise).
-void matmul(void* out, MatmulOutput out_type, const bf16* gate_up, bf16* x, const bf16* weight, const bf16* bias,
-            int rows, int in_features, int out_features, cudaStream_t stream) {
+// With a gate, x is first computed as act(gate_up[:, :in]) * gate_up[:, in:]
+// (into `x` itself on the cuBLASLt path, fused into the GEMV otherwise).
+void matmul(void* out, MatmulOutput out_type, Gate gate, const bf16* gate_up, bf16* x, const bf16* weight,
+            const bf16* bias, int rows, int in_features, int out_features, cudaStream_t stream) {
   if (gemv_possible(rows, in_features)) {
-    if (gate_up)
-      return gemv_forward<true>(out, out_type, gate_up, weight, bias, rows, in_features, out_features, stream);
-    return gemv_forward<false>(out, out_type, x, weight, bias, rows, in_features, out_features, stream);
+    if (gate == Gate::Silu)
+      return gemv_forward<Gate::Silu>(out, out_type, gate_up, weight, bias, rows, in_features, out_features, stream);
+    if (gate == Gate::GeluTanh)
+      return gemv_forward<Gate::GeluTanh>(out, out_type, gate_up, weight, bias, rows, in_features, out_features,
+                                          stream);
+    return gemv_forward<Gate::None>(out, out_type, x, weight, bias, rows, in_features, out_features, stream);
   }
   MatmulContext& matmul = context();
   const Plan& plan = matmul.plan(rows, in_features, out_features, out_type, bias != nullptr);
-  if (gate_up) swiglu_forward(x, gate_up, rows, in_features, stream);
+  if (gate == Gate::Silu) swiglu_forward(x, gate_up, rows, in_features, stream);
+  if (gate == Gate::GeluTanh) gelu_tanh_gate_forward(x, gate_up, rows, in_features, stream);
   matmul.run(plan, out, x, weight, bias, stream);
 }
 
 }  // namespace
 
+namespace {
+
+// [in, out] products for few rows (the drafter's sequential head): x @ W with
+// W stored [in, out]. Each block owns kInOutColumns output columns; lane l of
+// warp w owns columns l*8 .. l*8+7 and the input features i = w, w + 8, ...:
+// a warp reads 32 * 8 consecutive weights of one input row per step (coalesced,
+// no transpose needed), and the 8 warps' partial sums meet in shared memory.
+// Rows beyond ROWS run as further blocks along y (each re-reads the weights).
+constexpr int kInOutSlices = 8;
+constexpr int kInOutColumns = 32 * 8;
+
+// Eight consecutive weights as floats; VECTOR: one 16-byte (bf16) or two
+// (f32) loads, else element by element up to `available`.
+template <bool VECTOR>
+__device__ __forceinline__ void load_eight(const bf16* weights, int available, float* out) {
+  if constexpr (VECTOR) {
+    const uint4 packed = __ldcs(reinterpret_cast<const uint4*>(weights));  // streamed once per use
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 pair = __bfloat1622float2(pairs[j]);
+      out[2 * j] = pair.x, out[2 * j + 1] = pair.y;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = j < available ? __bfloat162float(weights[j]) : 0.0f;
+  }
+}
+
+template <bool VECTOR>
+__device__ __forceinline__ void load_eight(const float* weights, int available, float* out) {
+  if constexpr (VECTOR) {
+    const float4 low = __ldg(reinterpret_cast<const float4*>(weights));
+    const float4 high = __ldg(reinterpret_cast<const float4*>(weights) + 1);
+    out[0] = low.x, out[1] = low.y, out[2] = low.z, out[3] = low.w;
+    out[4] = high.x, out[5] = high.y, out[6] = high.z, out[7] = high.w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = j < available ? __ldg(weights + j) : 0.0f;
+  }
+}
+
+// ARGMAX: also each row's argmax over all out_features columns, by a block
+// reduction and one atomicMax per (block, row) into argmax_keys[row].
+template <class Weight, int ROWS, bool VECTOR, bool ARGMAX>
+__global__ void __launch_bounds__(kInOutSlices * 32)
+    matmul_in_out_kernel(float* out, const float* x, const Weight* weight, const float* bias, int rows, int in,
+                         int out_features, bool accumulate, const int32_t* run_if,
+                         unsigned long long* argmax_keys) {
+  if (run_if && *run_if == 0) return;  // the whole block leaves: no barrier is skipped
+  __shared__ __align__(16) float partial[kInOutSlices][kInOutColumns];
+  const int lane = threadIdx.x & 31, slice = threadIdx.x >> 5;
+  const int column = blockIdx.x * kInOutColumns + lane * 8;
+  const int first_row = blockIdx.y * ROWS;
+  const int row_count = min(ROWS, rows - first_row);
+  float sums[ROWS][8];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) sums[r][j] = 0.0f;
+  if (column < out_features) {
+#pragma unroll 4
+    for (int i = slice; i < in; i += kInOutSlices) {
+      float w[8];
+      load_eight<VECTOR>(weight + static_cast<long>(i) * out_features + column, out_features - column, w);
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const float value = r < row_count ? __ldg(x + static_cast<long>(first_row + r) * in + i) : 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) sums[r][j] += value * w[j];
+      }
+    }
+  }
+  // One row at a time: the 8 slices' sums of each column, added by the thread owning that column.
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    if (r >= row_count) break;  // the same for every thread of the block
+    float4* mine = reinterpret_cast<float4*>(&partial[slice][lane * 8]);
+    mine[0] = make_float4(sums[r][0], sums[r][1], sums[r][2], sums[r][3]);
+    mine[1] = make_float4(sums[r][4], sums[r][5], sums[r][6], sums[r][7]);
+    __syncthreads();
+    const int own = blockIdx.x * kInOutColumns + threadIdx.x;
+    unsigned long long key = 0;
+    if (own < out_features) {
+      float total = bias ? bias[own] : 0.0f;
+#pragma unroll
+      for (int s = 0; s < kInOutSlices; ++s) total += partial[s][threadIdx.x];
+      float* destination = out + static_cast<long>(first_row + r) * out_features + own;
+      if (accumulate) total += *destination;
+      *destination = total;
+      key = argmax_key(total, own);
+    }
+    if constexpr (ARGMAX) {
+      __shared__ unsigned long long warp_keys[kInOutSlices];
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) key = max(key, __shfl_xor_sync(0xffffffffu, key, offset));
+      if (lane == 0) warp_keys[slice] = key;
+      __syncthreads();
+      if (threadIdx.x == 0) {
+#pragma unroll
+        for (int w = 1; w < kInOutSlices; ++w) key = max(key, warp_keys[w]);
+        atomicMax(argmax_keys + first_row + r, key);
+      }
+    }
+    __syncthreads();  // partial (and warp_keys) are rewritten for the next row
+  }
+}
+
+template <class Weight, bool VECTOR, bool ARGMAX>
+void launch_in_out(float* out, const float* x, const Weight* weight, const float* bias, int rows, int in,
+                   int out_features, bool accumulate, const int32_t* run_if, unsigned long long* argmax_keys,
+                   cudaStream_t stream) {
+  const int row_block = rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8;
+  const dim3 grid(ceil_div(out_features, kInOutColumns), ceil_div(rows, row_block));
+  auto kernel = row_block == 1   ? matmul_in_out_kernel<Weight, 1, VECTOR, ARGMAX>
+                : row_block == 2 ? matmul_in_out_kernel<Weight, 2, VECTOR, ARGMAX>
+                : row_block == 4 ? matmul_in_out_kernel<Weight, 4, VECTOR, ARGMAX>
+                                 : matmul_in_out_kernel<Weight, 8, VECTOR, ARGMAX>;
+  kernel<<<grid, kInOutSlices * 32, 0, stream>>>(out, x, weight, bias, rows, in, out_features, accumulate, run_if,
+                                                 argmax_keys);
+  CUDA_CHECK_LAUNCH();
+}
+
+template <class Weight, bool ARGMAX = false>
+void in_out_forward(float* out, const float* x, const Weight* weight, const float* bias, int rows, int in,
+                    int out_features, bool accumulate, const int32_t* run_if, cudaStream_t stream,
+                    unsigned long long* argmax_keys = nullptr) {
+  if (rows <= 0 || out_features <= 0) return;
+  // 16-byte weight loads need every weight row to start 16-byte aligned.
+  const bool vector = out_features % 8 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0;
+  if (vector)
+    launch_in_out<Weight, true, ARGMAX>(out, x, weight, bias, rows, in, out_features, accumulate, run_if,
+                                        argmax_keys, stream);
+  else
+    launch_in_out<Weight, false, ARGMAX>(out, x, weight, bias, rows, in, out_features, accumulate, run_if,
+                                         argmax_keys, stream);
+}
+
+__global__ void argmax_tokens_kernel(int32_t* tokens, const unsigned long long* keys, int count) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < count) tokens[i] = argmax_index(keys[i]);
+}
+
+}  // namespace
+
+void matmul_in_out_forward(float* out, const float* x, const bf16* weight, const float* bias, int rows,
+                           int in_features, int out_features, bool accumulate, const int32_t* run_if,
+                           cudaStream_t stream) {
+  in_out_forward(out, x, weight, bias, rows, in_features, out_features, accumulate, run_if, stream);
+}
+
+void matmul_in_out_forward(float* out, const float* x, const float* weight, const float* bias, int rows,
+                           int in_features, int out_features, bool accumulate, const int32_t* run_if,
+                           cudaStream_t stream) {
+  in_out_forward(out, x, weight, bias, rows, in_features, out_features, accumulate, run_if, stream);
+}
+
+void matmul_in_out_argmax_forward(float* out, const float* x, const bf16* weight, const float* bias, int rows,
+                                  int in_features, int out_features, bool accumulate,
+                                  unsigned long long* argmax_keys, const int32_t* run_if, cudaStream_t stream) {
+  in_out_forward<bf16, true>(out, x, weight, bias, rows, in_features, out_features, accumulate, run_if, stream,
+                             argmax_keys);
+}
+
+void argmax_tokens_forward(int32_t* tokens, const unsigned long long* argmax_keys, int count, cudaStream_t stream) {
+  if (count == 0) return;
+  argmax_tokens_kernel<<<ceil_div(count, 256), 256, 0, stream>>>(tokens, argmax_keys, count);
+  CUDA_CHECK_LAUNCH();
+}
+
 void matmul_forward(void* out, MatmulOutput out_type, const bf16* x, const bf16* weight, const bf16* bias, int rows,
                     int in_features, int out_features, cudaStream_t stream) {
-  matmul(out, out_type, nullptr, const_cast<bf16*>(x), weight, bias, rows, in_features, out_features, stream);
+  matmul(out, out_type, Gate::None, nullptr, const_cast<bf16*>(x), weight, bias, rows, in_features, out_features,
+         stream);
 }
 
 void swiglu_matmul_forward(void* out, MatmulOutput out_type, const bf16* gate_up, bf16* activated, const bf16* weight,
                            const bf16* bias, int rows, int in_features, int out_features, cudaStream_t stream) {
-  matmul(out, out_type, gate_up, activated, weight, bias, rows, in_features, out_features, stream);
+  matmul(out, out_type, Gate::Silu, gate_up, activated, weight, bias, rows, in_features, out_features, stream);
+}
+
+void gelu_tanh_gate_matmul_forward(void* out, MatmulOutput out_type, const bf16* gate_up, bf16* activated,
+                                   const bf16* weight, const bf16* bias, int rows, int in_features, int out_features,
+                                   cudaStream_t stream) {
+  matmul(out, out_type, Gate::GeluTanh, gate_up, activated, weight, bias, rows, in_features, out_features, stream);
 }
 }  // namespace dspark::cuda

@@ -12,6 +12,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 namespace dspark::cuda {
 
 enum class MatmulOutput { BF16, F32 };
@@ -26,5 +28,34 @@ void matmul_forward(void* out, MatmulOutput out_type, const __nv_bfloat16* x, co
 void swiglu_matmul_forward(void* out, MatmulOutput out_type, const __nv_bfloat16* gate_up, __nv_bfloat16* activated,
                            const __nv_bfloat16* weight, const __nv_bfloat16* bias, int rows, int in_features,
                            int out_features, cudaStream_t stream);
+
+// The same with gelu_tanh(gate) * up (the drafter's MLP).
+void gelu_tanh_gate_matmul_forward(void* out, MatmulOutput out_type, const __nv_bfloat16* gate_up,
+                                   __nv_bfloat16* activated, const __nv_bfloat16* weight, const __nv_bfloat16* bias,
+                                   int rows, int in_features, int out_features, cudaStream_t stream);
+
+// out [rows, out] = x [rows, in] @ weight (+ bias [out]) with weight stored
+// [in, out] (the drafter's layout: CUDA version of cpu::matmul_in_out_forward),
+// for few rows (the sequential head: one row per request). x, bias and out are
+// f32; the weight bf16 (the vocabulary-wide head matrices) or f32 (the small
+// recurrent ones); f32 accumulation. accumulate: out += the product instead.
+// run_if: a device flag or null; when it holds 0 the kernel does nothing, so a
+// captured graph skips work that the device has found unneeded.
+void matmul_in_out_forward(float* out, const float* x, const __nv_bfloat16* weight, const float* bias, int rows,
+                           int in_features, int out_features, bool accumulate, const int32_t* run_if,
+                           cudaStream_t stream);
+void matmul_in_out_forward(float* out, const float* x, const float* weight, const float* bias, int rows,
+                           int in_features, int out_features, bool accumulate, const int32_t* run_if,
+                           cudaStream_t stream);
+
+// The same (bf16 weight), and each row's argmax over its out_features outputs
+// (greedy token selection fused into the sequential head's vocabulary matmul):
+// argmax_keys[row] (zeroed before) receives, by atomicMax, a key that orders by
+// value and then by the smaller index; argmax_tokens_forward turns keys into
+// indices (-1 for a key never written).
+void matmul_in_out_argmax_forward(float* out, const float* x, const __nv_bfloat16* weight, const float* bias,
+                                  int rows, int in_features, int out_features, bool accumulate,
+                                  unsigned long long* argmax_keys, const int32_t* run_if, cudaStream_t stream);
+void argmax_tokens_forward(int32_t* tokens, const unsigned long long* argmax_keys, int count, cudaStream_t stream);
 
 }  // namespace dspark::cuda

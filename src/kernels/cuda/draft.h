@@ -1,0 +1,79 @@
+// The DSpark drafter's own small ops on the GPU (CUDA versions of the pieces
+// of spec/draft.cpp that are not a matmul, norm or attention): the block rows,
+// the sequential head's per-position work with confidence and pruning, the
+// recurrent state updates, and the scatter of new context rows into each
+// request's retained context.
+//
+// Shape letters: B rows (requests), γ block, d draft width, r head rank,
+// V vocab. Block positions are position-major: position k of row b is row
+// k*B + b, so one position of every row is a contiguous [B, ...] slice.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace dspark::cuda {
+
+constexpr int kMaxDraftGamma = 32;
+
+// block [γ*B, d]: row k*B + b = (k == 0 ? token_rows[b] : mask_embedding[k-1]) + block_position[k].
+// token_rows [B, d] = embed(anchor) @ tok_proj; mask_embedding [γ-1, d]; block_position [γ, d].
+void draft_block_forward(float* block, const float* token_rows, const float* mask_embedding,
+                         const float* block_position, int rows, int gamma, int dim, cudaStream_t stream);
+
+enum class SequentialHeadKind { Markov = 0, Rnn = 1, Gru = 2 };
+
+// Pruning settings of one draft step, in device memory (so one captured graph
+// serves every setting).
+struct DraftControl {
+  float min_confidence;              // a uniform threshold; 0: none
+  int32_t has_thresholds;            // whether thresholds[] applies
+  float thresholds[kMaxDraftGamma];  // [γ] keep position k only if c_k >= thresholds[k]
+};
+
+struct SequentialHeadWeights {
+  const __nv_bfloat16* embedding;  // [V, r] markov.w1: e_k = embedding[x_{k-1}]
+  const float* confidence_weight;  // [d + r] conf.w
+  const float* confidence_bias;    // [1] conf.b
+  const float* temperatures;       // [γ] the STS temperature of each position's confidence logit (1: none)
+};
+
+// What the head reads and writes across positions (device memory).
+struct SequentialHeadState {
+  const int32_t* anchors;                 // [B] x_{-1}
+  const int32_t* limits;                  // [B] positions a row may draft (0: a padding row)
+  int32_t* tokens;                        // [γ, B] x_k, written by token selection (sampling)
+  const unsigned long long* argmax_keys;  // [γ, B] greedy: x_k = argmax_index(key) (matmul_in_out_argmax_forward);
+                                          // null: x_k is read from tokens
+  float* confidence;                      // [γ, B] c_k
+  int32_t* alive;                         // [B] 1 while the row is still drafting
+  int32_t* count;                         // [B] positions kept: the draft's length
+  int32_t* alive_rows;                    // [γ] rows still drafting at position k (zeroed before position 0)
+};
+
+// Position k of the sequential head for every row, before its matmuls:
+// e_k = w1[x_{k-1}] into e [B, r]; c_k = σ(([h_k; e_k] @ conf.w + conf.b) / T_k);
+// pruning: a row stops at the first k >= 1 with c_k below its threshold or
+// min_confidence, or at k = limit (position 0 is always kept, as on the CPU).
+// Recurrent heads: at k = 0 the state [B, r] is zeroed; the GRU's input
+// z = [s_{k-1}; e_k; h_k] is written to recurrent_input [B, 2r + d].
+// hidden [γ*B, d] f32 is h (position-major).
+void sequential_head_prepare_forward(float* e, float* recurrent_input, float* state, const float* hidden, int position,
+                                     int rows, int rank, int width, int vocab, SequentialHeadKind kind,
+                                     const SequentialHeadWeights& weights, const DraftControl* control,
+                                     const SequentialHeadState& head, cudaStream_t stream);
+
+// The recurrent state update after the recurrent matmul, for every row:
+// RNN: state = tanh(pre + e) (pre = s @ wH + bH, [B, r]);
+// GRU: g, c, o = split3(pre) (pre = z @ wJ + bJ, [B, 3r]); keep = σ(g);
+// state = keep * state + (1 - keep) * tanh(c); output = tanh(o) [B, r].
+void recurrent_update_forward(float* state, float* output, const float* pre, const float* e, int rows, int rank,
+                              SequentialHeadKind kind, cudaStream_t stream);
+
+// destinations[i] (width elements) = rows[i]; null destinations are skipped.
+// Writes new context rows into each request's retained context.
+void scatter_rows_forward(__nv_bfloat16* const* destinations, const __nv_bfloat16* rows, int count, int width,
+                          cudaStream_t stream);
+
+}  // namespace dspark::cuda

@@ -1,0 +1,656 @@
+#include "spec/cuda_drafter.h"
+
+#include <algorithm>
+#include <bit>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "kernels/cuda/activation.h"
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/embedding.h"
+#include "kernels/cuda/matmul.h"
+#include "kernels/cuda/rmsnorm.h"
+#include "kernels/cuda/sampling.h"
+
+namespace dspark {
+namespace {
+
+using bf16 = __nv_bfloat16;
+using cuda::DeviceBuffer;
+
+constexpr int kMaxDraftBatch = 64;  // rows per step (and per graph bucket); more requests run as several steps
+constexpr int kExtendChunk = 256;   // context rows projected per pass of the extension
+constexpr int kMaxSplits = 16;      // KV splits of the block attention
+
+std::string layer_name(int layer, const char* tensor) { return "bb." + std::to_string(layer) + "." + tensor; }
+
+long align_up(long value, long alignment) { return (value + alignment - 1) / alignment * alignment; }
+
+DeviceBuffer<float> upload_f32(const float* values, size_t count) {
+  DeviceBuffer<float> buffer(count);
+  if (count) CUDA_CHECK(cudaMemcpy(buffer.data(), values, count * sizeof(float), cudaMemcpyHostToDevice));
+  return buffer;
+}
+
+DeviceBuffer<bf16> upload_bf16(const float* values, size_t count) {
+  std::vector<uint16_t> bits(count);
+  for (size_t i = 0; i < count; ++i) bits[i] = f32_to_bf16(values[i]);
+  DeviceBuffer<bf16> buffer(count);
+  if (count) CUDA_CHECK(cudaMemcpy(buffer.data(), bits.data(), count * 2, cudaMemcpyHostToDevice));
+  return buffer;
+}
+
+// Matrices stored [in, out] (the drafter's layout), transposed to [out, in]
+// (the GEMMs' nn.Linear layout) and stacked along out, as bf16.
+DeviceBuffer<bf16> upload_transposed_bf16(const std::vector<const float*>& matrices, int in, int out) {
+  constexpr int kTile = 64;  // transposed tile by tile: W_c at Qwen3-8B shape is 16384 x 1024
+  std::vector<uint16_t> bits(matrices.size() * size_t(in) * out);
+  for (size_t m = 0; m < matrices.size(); ++m)
+    for (int i0 = 0; i0 < in; i0 += kTile)
+      for (int o0 = 0; o0 < out; o0 += kTile)
+        for (int i = i0; i < std::min(in, i0 + kTile); ++i)
+          for (int o = o0; o < std::min(out, o0 + kTile); ++o)
+            bits[(m * out + o) * size_t(in) + i] = f32_to_bf16(matrices[m][size_t(i) * out + o]);
+  DeviceBuffer<bf16> buffer(bits.size());
+  CUDA_CHECK(cudaMemcpy(buffer.data(), bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
+  return buffer;
+}
+
+}  // namespace
+
+CudaDrafter::StepLayout::StepLayout(int rows, int gamma, int layers) {
+  long at = 0;
+  auto take = [&](long bytes, long alignment) {
+    at = align_up(at, alignment);
+    const long begin = at;
+    at += bytes;
+    return begin;
+  };
+  keys = take(long(layers) * rows * 8, 8);
+  values = take(long(layers) * rows * 8, 8);
+  control = take(sizeof(cuda::DraftControl), 8);
+  sampling = take(sizeof(cuda::DeviceSamplingParams), 8);
+  anchors = take(long(rows) * 4, 4);
+  lengths = take(long(rows) * 4, 4);
+  limits = take(long(rows) * 4, 4);
+  uniforms = take(long(gamma) * rows * 4, 4);
+  bytes = align_up(at, 16);
+}
+
+CudaDrafter::CudaDrafter(const Drafter& drafter, const CudaTargetHead& head)
+    : config_(drafter.config), dims_(drafter.dims), head_(head) {
+  const DrafterConfig& c = config_;
+  const int d = c.d_draft, H = dims_.hidden_size, V = dims_.vocab_size, r = c.markov_rank;
+  DSPARK_CHECK(head.embedding && head.lm_head, "the CUDA drafter needs the target's embedding and LM head on the GPU");
+  DSPARK_CHECK(c.gamma >= 1 && c.gamma <= cuda::kMaxDraftGamma, "the CUDA drafter drafts at most ",
+               cuda::kMaxDraftGamma, " tokens per round; this drafter's gamma is ", c.gamma);
+  head_dim_ = d / c.num_heads;
+  DSPARK_CHECK(head_dim_ % 8 == 0 && head_dim_ <= 256,
+               "the CUDA drafter needs d / heads to be a multiple of 8, at most 256; ", "this drafter has ", d, " / ",
+               c.num_heads, " = ", head_dim_);
+  kind_ = c.seq_head == "rnn"   ? cuda::SequentialHeadKind::Rnn
+          : c.seq_head == "gru" ? cuda::SequentialHeadKind::Gru
+                                : cuda::SequentialHeadKind::Markov;
+  width_ = static_cast<int>(c.tap_layers.size()) * H;
+  inner_ = c.ff_mult * d;
+  use_graphs_ = !(std::getenv("DSPARK_DRAFT_GRAPHS") && std::string(std::getenv("DSPARK_DRAFT_GRAPHS")) == "0") &&
+                !profiler_.enabled();
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors_, cudaDevAttrMultiProcessorCount, device));
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+
+  for (int l = 0; l < c.num_layers; ++l) {
+    Layer layer;
+    layer.attention_norm = upload_f32(drafter[layer_name(l, "attn_norm")], d);
+    layer.ff_norm = upload_f32(drafter[layer_name(l, "ff_norm")], d);
+    layer.kvq = upload_transposed_bf16(
+        {drafter[layer_name(l, "k")], drafter[layer_name(l, "v")], drafter[layer_name(l, "q")]}, d, d);
+    layer.o = upload_transposed_bf16({drafter[layer_name(l, "o")]}, d, d);
+    layer.gate_up = upload_transposed_bf16({drafter[layer_name(l, "gate")], drafter[layer_name(l, "up")]}, d, inner_);
+    layer.down = upload_transposed_bf16({drafter[layer_name(l, "down")]}, inner_, d);
+    layers_.push_back(std::move(layer));
+  }
+  context_projection_ = upload_transposed_bf16({drafter["W_c"]}, width_, d);
+  token_projection_ = upload_transposed_bf16({drafter["tok_proj"]}, H, d);
+  out_projection_ = upload_transposed_bf16({drafter["out_proj"]}, d, H);
+  context_norm_ = upload_f32(drafter["ctx_norm"], d);
+  out_norm_ = upload_f32(drafter["out_norm"], d);
+  mask_embedding_ = upload_f32(drafter["mask_emb"], size_t(c.gamma - 1) * d);
+  block_position_ = upload_f32(drafter["block_pos"], size_t(c.gamma) * d);
+  head_embedding_ = upload_bf16(drafter["markov.w1"], size_t(V) * r);
+  confidence_weight_ = upload_f32(drafter["conf.w"], size_t(d) + r);
+  confidence_bias_ = upload_f32(drafter["conf.b"], 1);
+  if (kind_ == cuda::SequentialHeadKind::Rnn) {
+    head_out_ = upload_bf16(drafter["rnn.wO"], size_t(r) * V);
+    recurrent_ = upload_f32(drafter["rnn.wH"], size_t(r) * r);
+    recurrent_bias_ = upload_f32(drafter["rnn.bH"], r);
+  } else {
+    head_out_ = upload_bf16(drafter["markov.w2"], size_t(r) * V);
+    if (kind_ == cuda::SequentialHeadKind::Gru) {
+      recurrent_ = upload_f32(drafter["gru.wJ"], size_t(2 * r + d) * 3 * r);
+      recurrent_bias_ = upload_f32(drafter["gru.bJ"], size_t(3) * r);
+    }
+  }
+  std::vector<float> temperatures(c.gamma, 1.0f);
+  if (c.sts && !c.sts->temperatures.empty()) {
+    DSPARK_CHECK(c.sts->temperatures.size() >= size_t(c.gamma), "config.sts.temperatures has ",
+                 c.sts->temperatures.size(), " entries for gamma ", c.gamma);
+    std::copy_n(c.sts->temperatures.begin(), c.gamma, temperatures.begin());
+  }
+  temperatures_ = upload_f32(temperatures.data(), temperatures.size());
+
+  // The extension pass: destinations [L, kExtendChunk], then the tapped rows [kExtendChunk, m*H] bf16.
+  extend_taps_offset_ = align_up(long(c.num_layers) * kExtendChunk * 8, 256);  // cuBLASLt wants 256-byte operands
+  const long extend_bytes = extend_taps_offset_ + long(kExtendChunk) * width_ * 2;
+  extend_staging_.resize(extend_bytes);
+  extend_metadata_.resize(extend_bytes);
+  extend_projected_.resize(size_t(kExtendChunk) * d);
+  extend_hidden_.resize(size_t(kExtendChunk) * d);
+  extend_normed_.resize(size_t(kExtendChunk) * d);
+  extend_kv_.resize(size_t(kExtendChunk) * 2 * d);
+  ensure_rows(1);
+}
+
+CudaDrafter::~CudaDrafter() {
+  enable_step_timing(false);
+  for (auto& [rows, graph] : graphs_) cudaGraphExecDestroy(graph);
+  if (stream_) {
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+  }
+}
+
+void CudaDrafter::enable_step_timing(bool on) {
+  if (on && !step_start_) {
+    CUDA_CHECK(cudaEventCreate(&step_start_));
+    CUDA_CHECK(cudaEventCreate(&step_stop_));
+  } else if (!on && step_start_) {
+    cudaEventDestroy(step_start_);
+    cudaEventDestroy(step_stop_);
+    step_start_ = step_stop_ = nullptr;
+  }
+}
+
+float CudaDrafter::last_step_milliseconds() const {
+  DSPARK_CHECK(step_start_, "step timing is off");
+  float milliseconds = 0.0f;
+  CUDA_CHECK(cudaEventElapsedTime(&milliseconds, step_start_, step_stop_));
+  return milliseconds;
+}
+
+// ---------------------------------------------------------------- contexts
+
+CudaDrafter::Context& CudaDrafter::context(int id) {
+  auto found = contexts_.find(id);
+  DSPARK_CHECK(found != contexts_.end(), "unknown draft context ", id);
+  return found->second;
+}
+
+const CudaDrafter::Context& CudaDrafter::context(int id) const {
+  auto found = contexts_.find(id);
+  DSPARK_CHECK(found != contexts_.end(), "unknown draft context ", id);
+  return found->second;
+}
+
+int CudaDrafter::create_context() {
+  contexts_.emplace(next_context_, Context{});
+  return next_context_++;
+}
+
+void CudaDrafter::release_context(int id) {
+  context(id);
+  wait_for_extend_staging();  // an extension pass in flight may still write into it
+  contexts_.erase(id);
+}
+
+int CudaDrafter::context_length(int id) const {
+  const Context& c = context(id);
+  return c.length + c.staged_rows;
+}
+
+void CudaDrafter::extend_context(int id, const float* tapped_rows, int count) {
+  DSPARK_CHECK(count >= 0, "cannot extend a draft context by ", count, " rows");
+  Context& c = context(id);
+  const size_t first = c.staged.size(), values = size_t(count) * width_;
+  c.staged.resize(first + values);
+  for (size_t i = 0; i < values; ++i) c.staged[first + i] = f32_to_bf16(tapped_rows[i]);
+  c.staged_rows += count;
+}
+
+void CudaDrafter::truncate_context(int id, int length) {
+  Context& c = context(id);
+  DSPARK_CHECK(length >= 0 && length <= c.length + c.staged_rows, "cannot truncate a draft context of ",
+               c.length + c.staged_rows, " rows to ", length);
+  if (length >= c.length) {  // only staged rows go
+    c.staged_rows = length - c.length;
+    c.staged.resize(size_t(c.staged_rows) * width_);
+  } else {  // the stored rows past `length` are simply overwritten later
+    c.length = length;
+    c.staged.clear();
+    c.staged_rows = 0;
+  }
+}
+
+void CudaDrafter::wait_for_extend_staging() {
+  if (!extend_in_flight_) return;
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  extend_in_flight_ = false;
+}
+
+void CudaDrafter::grow_context(Context& c, int rows) {
+  if (rows <= c.capacity) return;
+  const int capacity = std::max({rows, 2 * c.capacity, 64});
+  const long row = 2L * config_.d_draft;
+  DeviceBuffer<bf16> storage(size_t(config_.num_layers) * capacity * row);
+  for (int l = 0; l < config_.num_layers && c.length > 0; ++l)
+    CUDA_CHECK(cudaMemcpyAsync(storage.data() + l * capacity * row, c.storage.data() + l * c.capacity * row,
+                               c.length * row * sizeof(bf16), cudaMemcpyDeviceToDevice, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old storage is freed below
+  extend_in_flight_ = false;
+  c.storage = std::move(storage);
+  c.capacity = capacity;
+}
+
+void CudaDrafter::flush_contexts() {
+  struct Row {
+    Context* context;
+    int position;
+    const uint16_t* taps;
+  };
+  std::vector<Row> rows;
+  for (auto& [id, c] : contexts_) {
+    if (c.staged_rows == 0) continue;
+    grow_context(c, c.length + c.staged_rows);
+    for (int i = 0; i < c.staged_rows; ++i) rows.push_back({&c, c.length + i, c.staged.data() + size_t(i) * width_});
+  }
+  if (rows.empty()) return;
+  const int d = config_.d_draft, L = config_.num_layers;
+  const float eps = dims_.eps;
+  const long row_elements = 2L * d;
+  cudaStream_t s = stream_;
+  for (size_t begin = 0; begin < rows.size(); begin += kExtendChunk) {
+    const int count = static_cast<int>(std::min<size_t>(kExtendChunk, rows.size() - begin));
+    const int padded = static_cast<int>(std::bit_ceil(unsigned(count)));  // few distinct GEMM shapes
+    wait_for_extend_staging();
+    auto* destinations = reinterpret_cast<uint64_t*>(extend_staging_.data());
+    auto* taps = reinterpret_cast<uint16_t*>(extend_staging_.data() + extend_taps_offset_);
+    for (int l = 0; l < L; ++l)
+      for (int i = 0; i < padded; ++i) {
+        bf16* destination = nullptr;  // padding rows are computed and dropped
+        if (i < count) {
+          const Row& row = rows[begin + i];
+          destination = row.context->storage.data() + (long(l) * row.context->capacity + row.position) * row_elements;
+        }
+        destinations[long(l) * padded + i] = reinterpret_cast<uint64_t>(destination);
+      }
+    for (int i = 0; i < count; ++i) std::memcpy(taps + size_t(i) * width_, rows[begin + i].taps, size_t(width_) * 2);
+    std::memset(taps + size_t(count) * width_, 0, size_t(padded - count) * width_ * 2);
+    CUDA_CHECK(cudaMemcpyAsync(extend_metadata_.data(), extend_staging_.data(),
+                               extend_taps_offset_ + long(padded) * width_ * 2, cudaMemcpyHostToDevice, s));
+    extend_in_flight_ = true;
+    const bf16* taps_device = reinterpret_cast<const bf16*>(extend_metadata_.data() + extend_taps_offset_);
+    auto* destinations_device = reinterpret_cast<bf16* const*>(extend_metadata_.data());
+    // Hc = rms(hctx @ W_c, ctx_norm), kept in f32; per layer rms(Hc, attn_norm) @ k | v.
+    cuda::matmul_forward(extend_projected_.data(), cuda::MatmulOutput::F32, taps_device, context_projection_.data(),
+                         nullptr, padded, width_, d, s);
+    cuda::residual_add_rmsnorm_forward(extend_projected_.data(), nullptr, extend_normed_.data(), context_norm_.data(),
+                                       padded, d, eps, nullptr, extend_hidden_.data(), d, s);
+    for (int l = 0; l < L; ++l) {
+      cuda::rmsnorm_forward(extend_normed_.data(), extend_hidden_.data(), layers_[l].attention_norm.data(), padded, d,
+                            eps, s);
+      cuda::matmul_forward(extend_kv_.data(), cuda::MatmulOutput::BF16, extend_normed_.data(), layers_[l].kvq.data(),
+                           nullptr, padded, d, 2 * d, s);  // k | v: the first 2d rows of k | v | q
+      cuda::scatter_rows_forward(destinations_device + long(l) * padded, extend_kv_.data(), padded,
+                                 static_cast<int>(row_elements), s);
+    }
+  }
+  for (auto& [id, c] : contexts_) {
+    c.length += c.staged_rows;
+    c.staged.clear();
+    c.staged_rows = 0;
+  }
+}
+
+void CudaDrafter::read_context(int id, int layer, std::vector<float>& keys, std::vector<float>& values) {
+  DSPARK_CHECK(layer >= 0 && layer < config_.num_layers, "draft context layer ", layer, " is outside 0..",
+               config_.num_layers - 1);
+  flush_contexts();
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  extend_in_flight_ = false;
+  const Context& c = context(id);
+  const int d = config_.d_draft;
+  std::vector<uint16_t> bits(size_t(c.length) * 2 * d);
+  if (!bits.empty())
+    CUDA_CHECK(cudaMemcpy(bits.data(), c.storage.data() + long(layer) * c.capacity * 2 * d, bits.size() * 2,
+                          cudaMemcpyDeviceToHost));
+  keys.resize(size_t(c.length) * d);
+  values.resize(size_t(c.length) * d);
+  for (int p = 0; p < c.length; ++p)
+    for (int i = 0; i < d; ++i) {
+      keys[size_t(p) * d + i] = bf16_to_f32(bits[size_t(p) * 2 * d + i]);
+      values[size_t(p) * d + i] = bf16_to_f32(bits[size_t(p) * 2 * d + d + i]);
+    }
+}
+
+// ---------------------------------------------------------------- the draft step
+
+int CudaDrafter::attention_splits(int rows) const {
+  // Enough CTAs for about two waves (a short context leaves some splits empty: they cost one tiny CTA).
+  const long blocks = long(rows) * config_.num_heads;
+  return static_cast<int>(std::clamp<long>((2L * multiprocessors_ + blocks - 1) / blocks, 1, kMaxSplits));
+}
+
+void CudaDrafter::ensure_rows(int rows) {
+  if (rows <= max_rows_) return;
+  for (auto& [bucket, graph] : graphs_) cudaGraphExecDestroy(graph);  // they point at the old buffers
+  graphs_.clear();
+  max_rows_ = rows;
+  const DrafterConfig& c = config_;
+  const size_t M = rows, R = size_t(c.gamma) * rows, d = c.d_draft, r = c.markov_rank;
+  const size_t H = dims_.hidden_size, V = dims_.vocab_size;
+  layout_ = StepLayout(rows, c.gamma, c.num_layers);
+  staging_.resize(layout_.bytes);
+  metadata_.resize(layout_.bytes);
+  anchor_rows_.resize(M * H);
+  token_rows_.resize(M * d);
+  block_.resize(R * d);
+  normed_.resize(R * d);
+  kvq_.resize(R * 3 * d);
+  attention_.resize(R * d);
+  projected_.resize(R * d);
+  gate_up_.resize(R * 2 * inner_);
+  activated_.resize(R * inner_);
+  hidden_.resize(R * d);
+  head_input_.resize(R * H);
+  logits_.resize(R * V);
+  e_.resize(M * r);
+  state_.resize(M * r);
+  recurrent_input_.resize(M * (2 * r + d));
+  recurrent_pre_.resize(M * 3 * r);
+  head_output_.resize(M * r);
+  results_.resize((2 * size_t(c.gamma) + 1) * M);
+  results_host_.resize((2 * size_t(c.gamma) + 1) * M);
+  alive_.resize(M);
+  alive_rows_.resize(c.gamma);
+  argmax_keys_.resize(size_t(c.gamma) * M);
+  long partial_rows = 0;  // (row, head, split) triples of the largest bucket's attention
+  for (int bucket = 1; bucket <= rows; bucket *= 2)
+    partial_rows = std::max(partial_rows, long(bucket) * c.num_heads * attention_splits(bucket));
+  partial_out_.resize(size_t(partial_rows) * c.gamma * head_dim_);
+  partial_lse_.resize(size_t(partial_rows) * c.gamma);
+  counters_.resize(M * c.num_heads);
+  CUDA_CHECK(cudaMemset(counters_.data(), 0, counters_.bytes()));
+}
+
+void CudaDrafter::draft(std::span<const CudaDraftRequest> requests, const DraftOptions& options,
+                        std::vector<DraftResult>& results) {
+  const DrafterConfig& c = config_;
+  const int limit = options.max_tokens > 0 ? std::min(options.max_tokens, c.gamma) : c.gamma;
+  const std::vector<float>& thresholds = !options.thresholds.empty() ? options.thresholds
+                                         : c.sts                     ? c.sts->thresholds
+                                                                     : options.thresholds;
+  DSPARK_CHECK(thresholds.empty() || thresholds.size() >= size_t(limit), "draft thresholds: ", thresholds.size(),
+               " for ", limit, " positions");
+  for (const CudaDraftRequest& request : requests) {
+    context(request.context);
+    DSPARK_CHECK(request.anchor >= 0 && request.anchor < dims_.vocab_size, "draft anchor ", request.anchor,
+                 " is outside the vocabulary of ", dims_.vocab_size);
+    DSPARK_CHECK(options.sampling.greedy() || request.rng, "sampled drafting needs each request's random stream");
+  }
+  flush_contexts();
+  results.assign(requests.size(), DraftResult{});
+  for (size_t begin = 0; begin < requests.size(); begin += kMaxDraftBatch) {
+    const size_t count = std::min<size_t>(kMaxDraftBatch, requests.size() - begin);
+    draft_chunk(requests.subspan(begin, count), options, limit, thresholds, std::span(results).subspan(begin, count));
+  }
+}
+
+void CudaDrafter::draft_chunk(std::span<const CudaDraftRequest> requests, const DraftOptions& options, int limit,
+                              const std::vector<float>& thresholds, std::span<DraftResult> results) {
+  const DrafterConfig& c = config_;
+  const int B = static_cast<int>(requests.size()), gamma = c.gamma, V = dims_.vocab_size, d = c.d_draft;
+  const int rows = static_cast<int>(std::bit_ceil(unsigned(B)));  // the batch bucket
+  const bool sampling = !options.sampling.greedy();
+  ensure_rows(rows);  // (the step's staging is free: the previous step ended with a synchronisation)
+
+  // The step's metadata.
+  unsigned char* bytes = staging_.data();
+  std::memset(bytes, 0, layout_.bytes);
+  auto* keys = reinterpret_cast<uint64_t*>(bytes + layout_.keys);
+  auto* values = reinterpret_cast<uint64_t*>(bytes + layout_.values);
+  auto* anchors = reinterpret_cast<int32_t*>(bytes + layout_.anchors);
+  auto* lengths = reinterpret_cast<int32_t*>(bytes + layout_.lengths);
+  auto* limits = reinterpret_cast<int32_t*>(bytes + layout_.limits);
+  auto* uniforms = reinterpret_cast<float*>(bytes + layout_.uniforms);
+  for (int b = 0; b < B; ++b) {  // padding rows stay zero: no context, anchor 0, limit 0
+    const Context& context_b = context(requests[b].context);
+    for (int l = 0; l < c.num_layers; ++l) {
+      const bf16* base = context_b.storage.data() + long(l) * context_b.capacity * 2 * d;
+      keys[long(l) * rows + b] = reinterpret_cast<uint64_t>(base);
+      values[long(l) * rows + b] = reinterpret_cast<uint64_t>(base ? base + d : nullptr);
+    }
+    anchors[b] = requests[b].anchor;
+    lengths[b] = context_b.length;
+    limits[b] = limit;
+  }
+  cuda::DraftControl control{};
+  control.min_confidence = options.min_confidence;
+  control.has_thresholds = !thresholds.empty();
+  for (int k = 0; k < limit && !thresholds.empty(); ++k) control.thresholds[k] = thresholds[k];
+  std::memcpy(bytes + layout_.control, &control, sizeof control);
+  const cuda::DeviceSamplingParams params{sampling ? options.sampling.temperature : 0.0f, options.sampling.top_k,
+                                          options.sampling.top_p};
+  std::memcpy(bytes + layout_.sampling, &params, sizeof params);
+  uniforms_.assign(size_t(gamma) * B, 0.0);
+  if (sampling) {
+    for (int b = 0; b < B; ++b) {
+      Rng stream = *requests[b].rng;  // a copy: the row's own stream advances by the tokens kept
+      for (int k = 0; k < limit; ++k) {
+        uniforms_[size_t(k) * B + b] = stream.uniform();
+        uniforms[long(k) * rows + b] = static_cast<float>(uniforms_[size_t(k) * B + b]);
+      }
+    }
+  }
+  cudaStream_t s = stream_;
+  if (step_start_) CUDA_CHECK(cudaEventRecord(step_start_, s));
+  CUDA_CHECK(cudaMemcpyAsync(metadata_.data(), bytes, layout_.bytes, cudaMemcpyHostToDevice, s));
+
+  auto graph = graphs_.find({rows, !sampling});
+  if (graph != graphs_.end())
+    CUDA_CHECK(cudaGraphLaunch(graph->second, s));
+  else
+    run_step(rows, !sampling);
+  const long result_words = (2L * gamma + 1) * rows;
+  CUDA_CHECK(cudaMemcpyAsync(results_host_.data(), results_.data(), result_words * sizeof(int32_t),
+                             cudaMemcpyDeviceToHost, s));
+  const bool want_logits = sampling || options.collect_logits;
+  const size_t logit_count = size_t(limit) * rows * V;  // positions >= limit are never kept
+  if (want_logits) {
+    if (logits_host_.size() < logit_count) logits_host_.resize(logit_count);
+    CUDA_CHECK(
+        cudaMemcpyAsync(logits_host_.data(), logits_.data(), logit_count * sizeof(float), cudaMemcpyDeviceToHost, s));
+  }
+  if (step_stop_) CUDA_CHECK(cudaEventRecord(step_stop_, s));
+  CUDA_CHECK(cudaStreamSynchronize(s));
+  extend_in_flight_ = false;
+  profiler_.finish_step();
+
+  const int32_t* tokens = results_host_.data();
+  const float* confidence = reinterpret_cast<const float*>(results_host_.data() + long(gamma) * rows);
+  const int32_t* count = results_host_.data() + 2L * gamma * rows;
+  for (int b = 0; b < B; ++b) {
+    DraftResult& result = results[b];
+    const int n = count[b];
+    DSPARK_CHECK(n >= 1 && n <= limit, "CUDA drafter: row ", b, " kept ", n, " positions (limit ", limit, ")");
+    for (int k = 0; k < n; ++k) {
+      result.tokens.push_back(tokens[long(k) * rows + b]);
+      result.confidence.push_back(confidence[long(k) * rows + b]);
+    }
+    auto logits_of = [&](int k) { return logits_host_.data() + (size_t(k) * rows + b) * V; };
+    if (sampling) {
+      result.probs.resize(size_t(n) * V);
+      for (int k = 0; k < n; ++k) {
+        float* q = result.probs.data() + size_t(k) * V;
+        cpu::processed_distribution(q, logits_of(k), V, options.sampling, order_);
+        const int32_t token = cpu::sample_from_distribution(q, V, uniforms_[size_t(k) * B + b]);
+        if (token != result.tokens[k]) {  // float rounding at an interval's edge: the host's draw stands
+          result.tokens[k] = token;
+          result.tokens.resize(k + 1);
+          result.confidence.resize(k + 1);
+          result.probs.resize(size_t(k + 1) * V);
+          break;
+        }
+      }
+      for (size_t k = 0; k < result.tokens.size(); ++k) requests[b].rng->uniform();  // as the CPU drafter draws
+    }
+    if (options.collect_logits)
+      for (size_t k = 0; k < result.tokens.size(); ++k)
+        result.logits.insert(result.logits.end(), logits_of(int(k)), logits_of(int(k)) + V);
+  }
+
+  // A bucket's first step ran eagerly (choosing GEMM algorithms); capture it for the next ones.
+  if (use_graphs_ && graph == graphs_.end()) {
+    cudaGraph_t captured = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    try {
+      run_step(rows, !sampling);
+    } catch (...) {  // leave the stream usable: end the capture, draft eagerly from now on
+      cudaStreamEndCapture(s, &captured);
+      if (captured) cudaGraphDestroy(captured);
+      cudaGetLastError();
+      use_graphs_ = false;
+      throw;
+    }
+    CUDA_CHECK(cudaStreamEndCapture(s, &captured));
+    cudaGraphExec_t executable;
+    CUDA_CHECK(cudaGraphInstantiate(&executable, captured, 0));
+    CUDA_CHECK(cudaGraphDestroy(captured));
+    graphs_.emplace(std::pair{rows, !sampling}, executable);
+  }
+}
+
+// The kernels of one step for a bucket of `rows` rows, in order; the same eager or captured.
+void CudaDrafter::run_step(int rows, bool greedy) {
+  const DrafterConfig& c = config_;
+  const int B = rows, gamma = c.gamma, R = gamma * B, d = c.d_draft, r = c.markov_rank;
+  const int H = dims_.hidden_size, V = dims_.vocab_size;
+  const float eps = dims_.eps;
+  cudaStream_t s = stream_;
+  const unsigned char* meta = metadata_.data();
+  const auto* anchors = reinterpret_cast<const int32_t*>(meta + layout_.anchors);
+  const auto* limits = reinterpret_cast<const int32_t*>(meta + layout_.limits);
+  const auto* lengths = reinterpret_cast<const int32_t*>(meta + layout_.lengths);
+  const auto* context_keys = reinterpret_cast<const bf16* const*>(meta + layout_.keys);
+  const auto* context_values = reinterpret_cast<const bf16* const*>(meta + layout_.values);
+  const auto* control = reinterpret_cast<const cuda::DraftControl*>(meta + layout_.control);
+  const auto* params = reinterpret_cast<const cuda::DeviceSamplingParams*>(meta + layout_.sampling);
+  const auto* uniforms = reinterpret_cast<const float*>(meta + layout_.uniforms);
+  int32_t* tokens = results_.data();
+  float* confidence = reinterpret_cast<float*>(results_.data() + long(gamma) * B);
+  int32_t* count = results_.data() + 2L * gamma * B;
+  cuda::StepProfiler& p = profiler_;
+  p.mark("start", s);
+  CUDA_CHECK(cudaMemsetAsync(alive_rows_.data(), 0, alive_rows_.bytes(), s));
+  if (greedy) CUDA_CHECK(cudaMemsetAsync(argmax_keys_.data(), 0, size_t(gamma) * B * sizeof(unsigned long long), s));
+
+  // Block rows: row 0 = E[anchor] @ tok_proj + block_pos[0]; row k = mask_emb[k-1] + block_pos[k].
+  cuda::gather_rows_forward(anchor_rows_.data(), head_.embedding, anchors, B, H, s);
+  cuda::matmul_forward(token_rows_.data(), cuda::MatmulOutput::F32, anchor_rows_.data(), token_projection_.data(),
+                       nullptr, B, H, d, s);
+  cuda::draft_block_forward(block_.data(), token_rows_.data(), mask_embedding_.data(), block_position_.data(), B, gamma,
+                            d, s);
+  p.mark("block rows", s);
+
+  const int splits = attention_splits(B);
+  for (int l = 0; l < c.num_layers; ++l) {
+    const Layer& w = layers_[l];
+    if (l == 0)
+      cuda::rmsnorm_forward(normed_.data(), block_.data(), w.attention_norm.data(), R, d, eps, s);
+    else  // completes layer l-1: Hd += its MLP output
+      cuda::residual_add_rmsnorm_forward(block_.data(), projected_.data(), normed_.data(), w.attention_norm.data(), R,
+                                         d, eps, nullptr, nullptr, 0, s);
+    p.mark("add+norm", s);
+    cuda::matmul_forward(kvq_.data(), cuda::MatmulOutput::BF16, normed_.data(), w.kvq.data(), nullptr, R, d, 3 * d, s);
+    p.mark("k|v|q gemm", s);
+    const cuda::DraftAttentionBatch batch{context_keys + long(l) * B, context_values + long(l) * B, lengths, 2L * d, B};
+    cuda::bidirectional_attention_forward(attention_.data(), kvq_.data() + 2 * d, kvq_.data(), kvq_.data() + d, 3L * d,
+                                          batch, gamma, c.num_heads, head_dim_, splits, partial_out_.data(),
+                                          partial_lse_.data(), counters_.data(), s);
+    p.mark("attention", s);
+    cuda::matmul_forward(projected_.data(), cuda::MatmulOutput::BF16, attention_.data(), w.o.data(), nullptr, R, d, d,
+                         s);
+    p.mark("o gemm", s);
+    cuda::residual_add_rmsnorm_forward(block_.data(), projected_.data(), normed_.data(), w.ff_norm.data(), R, d, eps,
+                                       nullptr, nullptr, 0, s);
+    p.mark("add+norm", s);
+    cuda::matmul_forward(gate_up_.data(), cuda::MatmulOutput::BF16, normed_.data(), w.gate_up.data(), nullptr, R, d,
+                         2 * inner_, s);
+    p.mark("gate|up gemm", s);
+    cuda::gelu_tanh_gate_matmul_forward(projected_.data(), cuda::MatmulOutput::BF16, gate_up_.data(), activated_.data(),
+                                        w.down.data(), nullptr, R, inner_, d, s);
+    p.mark("gelu+down gemm", s);
+  }
+  // h = rms(Hd, out_norm) (f32 for the head, bf16 for out_proj); U = (h @ out_proj) @ lm_head^T.
+  cuda::residual_add_rmsnorm_forward(block_.data(), projected_.data(), normed_.data(), out_norm_.data(), R, d, eps,
+                                     nullptr, hidden_.data(), d, s);
+  p.mark("add+norm", s);
+  cuda::matmul_forward(head_input_.data(), cuda::MatmulOutput::BF16, normed_.data(), out_projection_.data(), nullptr, R,
+                       d, H, s);
+  p.mark("out_proj gemm", s);
+  cuda::matmul_forward(logits_.data(), cuda::MatmulOutput::F32, head_input_.data(), head_.lm_head, nullptr, R, H, V, s);
+  p.mark("lm head gemm", s);
+
+  // The sequential head, position by position for all rows: L_k = U_k + B_k in place, then x_k.
+  const cuda::SequentialHeadWeights weights{head_embedding_.data(), confidence_weight_.data(), confidence_bias_.data(),
+                                            temperatures_.data()};
+  const cuda::SequentialHeadState head{anchors,    limits,        tokens, greedy ? argmax_keys_.data() : nullptr,
+                                       confidence, alive_.data(), count,  alive_rows_.data()};
+  for (int k = 0; k < gamma; ++k) {
+    float* logits = logits_.data() + long(k) * B * V;
+    const int32_t* any_alive = alive_rows_.data() + k;
+    // L_k += x @ W (W [r, V]: markov.w2 or rnn.wO), then x_k: argmax fused in when greedy.
+    auto vocabulary_head = [&](const float* x) {
+      if (greedy)
+        cuda::matmul_in_out_argmax_forward(logits, x, head_out_.data(), nullptr, B, r, V, true,
+                                           argmax_keys_.data() + long(k) * B, any_alive, s);
+      else
+        cuda::matmul_in_out_forward(logits, x, head_out_.data(), nullptr, B, r, V, true, any_alive, s);
+      p.mark(greedy ? "head vocab gemm+argmax" : "head vocab gemm", s);
+    };
+    cuda::sequential_head_prepare_forward(e_.data(), recurrent_input_.data(), state_.data(), hidden_.data(), k, B, r, d,
+                                          V, kind_, weights, control, head, s);
+    p.mark("head prepare", s);
+    switch (kind_) {
+      case cuda::SequentialHeadKind::Markov:  // B = e @ w2
+        vocabulary_head(e_.data());
+        break;
+      case cuda::SequentialHeadKind::Rnn:  // s = tanh(s @ wH + e + bH); B = s @ wO
+        cuda::matmul_in_out_forward(recurrent_pre_.data(), state_.data(), recurrent_.data(), recurrent_bias_.data(), B,
+                                    r, r, false, any_alive, s);
+        cuda::recurrent_update_forward(state_.data(), nullptr, recurrent_pre_.data(), e_.data(), B, r, kind_, s);
+        p.mark("head recurrent", s);
+        vocabulary_head(state_.data());
+        break;
+      case cuda::SequentialHeadKind::Gru:  // [g, c, o] = z @ wJ + bJ; s = σ(g) s + (1 - σ(g)) tanh(c); B = tanh(o) @ w2
+        cuda::matmul_in_out_forward(recurrent_pre_.data(), recurrent_input_.data(), recurrent_.data(),
+                                    recurrent_bias_.data(), B, 2 * r + d, 3 * r, false, any_alive, s);
+        cuda::recurrent_update_forward(state_.data(), head_output_.data(), recurrent_pre_.data(), e_.data(), B, r,
+                                       kind_, s);
+        p.mark("head recurrent", s);
+        vocabulary_head(head_output_.data());
+        break;
+    }
+    if (!greedy) {
+      cuda::select_tokens_forward(tokens + long(k) * B, logits, uniforms + long(k) * B, params, B, V, s);
+      p.mark("head token selection", s);
+    }
+  }
+  if (greedy) cuda::argmax_tokens_forward(tokens, argmax_keys_.data(), gamma * B, s);
+  p.mark("head argmax tokens", s);
+}
+
+}  // namespace dspark

@@ -1,0 +1,188 @@
+// The DSpark drafter on one NVIDIA GPU: the CUDA version of spec/draft.h,
+// the same math (DESIGN.md §2) with bf16 weights and f32 accumulation.
+//
+// Weights are uploaded once, in the layouts the kernels read: the backbone's
+// matrices transposed to [out, in] bf16 for the GEMMs (k|v|q and gate|up
+// fused), the head's vocabulary-wide matrices (markov.w1 / w2, rnn.wO) kept
+// [in, out] bf16, and norms, block embeddings, the confidence head and the
+// small recurrent matrices f32. The target's embedding and LM head are
+// borrowed from the CUDA target (CudaTargetHead), never copied.
+//
+// Retained context: one context per request holds, for every layer, the keys
+// and values of rms(Hc, attn_norm) of its rows in one device allocation
+// [layers, capacity, 2d] (k | v per row), grown by doubling. extend_context()
+// only stages the tapped rows on the host; the next draft() (or
+// flush_contexts()) projects all contexts' new rows in one batched pass.
+//
+// One draft step for B requests: the host packs the step's metadata (anchors,
+// context pointers and lengths, pruning settings, sampling parameters and
+// uniforms) into one pinned buffer and copies it once; the backbone runs once
+// for all B*γ block rows; the head walks positions 0..γ-1 on the device
+// (e_k, confidence and pruning, the head's matmuls into the logits, token
+// selection: greedy fused into the vocabulary matmul as an argmax, sampling by
+// select_tokens_forward); one copy brings back tokens, confidences and lengths: the only
+// synchronisation of the step. A position where every row has been pruned
+// skips its vocabulary-wide matmul. Steps are captured as one CUDA graph per
+// batch bucket (1, 2, 4, ... 64 rows; padding rows have no context and draft
+// nothing) and kind (greedy or sampled), on its first use after it has run
+// once eagerly. DSPARK_DRAFT_GRAPHS=0 runs every step eagerly;
+// DSPARK_DRAFT_PROFILE=1 does too and prints the mean time of each op.
+//
+// Sampling: the row's uniforms are drawn from a copy of its stream; after the
+// step the stream advances by the number of tokens kept, so it is consumed as
+// the CPU drafter consumes it. The host recomputes each kept position's
+// processed distribution q (returned in DraftResult::probs) and re-derives the
+// token from q and the same uniform; where float rounding made the GPU pick a
+// different token, the host's token is kept and the draft ends there, so every
+// drafted token is exactly a draw from the q it is verified against.
+//
+// Shape letters: B rows, γ block, d draft width, H target hidden, V vocab,
+// m taps, r head rank, L drafter layers.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <span>
+#include <vector>
+
+#include "kernels/cuda/buffer.h"
+#include "kernels/cuda/draft.h"
+#include "kernels/cuda/step_profiler.h"
+#include "model/cuda_target.h"
+#include "spec/draft.h"
+
+namespace dspark {
+
+struct CudaDraftRequest {
+  int context;     // from CudaDrafter::create_context()
+  int32_t anchor;  // the last token the target has accepted (its row is not in the context yet)
+  Rng* rng;        // this row's stream, drawn from only when sampling
+};
+
+class CudaDrafter {
+ public:
+  // Uploads `drafter` (not read afterwards); `head` must outlive the drafter.
+  CudaDrafter(const Drafter& drafter, const CudaTargetHead& head);
+  ~CudaDrafter();
+  CudaDrafter(const CudaDrafter&) = delete;
+  CudaDrafter& operator=(const CudaDrafter&) = delete;
+
+  const DrafterConfig& config() const { return config_; }
+  const TargetDims& dims() const { return dims_; }
+  cudaStream_t stream() const { return stream_; }
+
+  int create_context();
+  void release_context(int context);
+  int context_length(int context) const;  // rows, staged ones included
+  // Appends `count` context rows: tapped_rows [count, m*H] (host, f32), each
+  // the m tapped target rows of one token concatenated on features.
+  void extend_context(int context, const float* tapped_rows, int count);
+  void truncate_context(int context, int length);
+  // Projects every staged row into its context now (draft() does this first).
+  void flush_contexts();
+  // One context's retained keys and values of `layer`, [length, d] each (for tests).
+  void read_context(int context, int layer, std::vector<float>& keys, std::vector<float>& values);
+
+  // Drafts for every request, as spec/draft.h's draft() (the same options and results).
+  void draft(std::span<const CudaDraftRequest> requests, const DraftOptions& options,
+             std::vector<DraftResult>& results);
+
+  // Benchmarks: when on, each step's device time (metadata copy, kernels,
+  // results copy) is measured with CUDA events; last_step_milliseconds() is
+  // that of the last step (of the last chunk of 64 rows).
+  void enable_step_timing(bool on);
+  float last_step_milliseconds() const;
+
+ private:
+  using bf16 = __nv_bfloat16;
+  struct Layer {
+    cuda::DeviceBuffer<float> attention_norm, ff_norm;  // [d]
+    cuda::DeviceBuffer<bf16> kvq;                       // [3d, d]: k, v, q, each [out, in] (k | v alone: the
+                                                        // context's projection, from the start of the buffer)
+    cuda::DeviceBuffer<bf16> o;                         // [d, d]
+    cuda::DeviceBuffer<bf16> gate_up;                   // [2fd, d]: gate then up
+    cuda::DeviceBuffer<bf16> down;                      // [d, fd]
+  };
+  struct Context {
+    cuda::DeviceBuffer<bf16> storage;  // [L, capacity, 2d]: row p of layer l is k | v
+    int capacity = 0;
+    int length = 0;                // rows in storage
+    std::vector<uint16_t> staged;  // [staged_rows, m*H] bf16 bits, not yet projected
+    int staged_rows = 0;
+  };
+  // Byte offsets of one step's metadata for batches of up to `rows` rows; the
+  // per-row arrays are indexed with the bucket's own row count.
+  struct StepLayout {
+    long keys = 0, values = 0, control = 0, sampling = 0, anchors = 0, lengths = 0, limits = 0, uniforms = 0, bytes = 0;
+    StepLayout() = default;
+    StepLayout(int rows, int gamma, int layers);
+  };
+
+  Context& context(int id);
+  const Context& context(int id) const;
+  void grow_context(Context& context, int rows);
+  void wait_for_extend_staging();
+  void ensure_rows(int rows);
+  int attention_splits(int rows) const;
+  void draft_chunk(std::span<const CudaDraftRequest> requests, const DraftOptions& options, int limit,
+                   const std::vector<float>& thresholds, std::span<DraftResult> results);
+  void run_step(int rows, bool greedy);
+
+  DrafterConfig config_;
+  TargetDims dims_;
+  CudaTargetHead head_;
+  cuda::SequentialHeadKind kind_ = cuda::SequentialHeadKind::Markov;
+  int width_ = 0;  // m*H: one context row's tapped features
+  int inner_ = 0;  // f*d
+  int head_dim_ = 0;
+  int multiprocessors_ = 0;
+  cudaStream_t stream_ = nullptr;
+  bool use_graphs_ = true;
+
+  // Weights.
+  std::vector<Layer> layers_;
+  cuda::DeviceBuffer<bf16> context_projection_;                    // [d, m*H] W_c
+  cuda::DeviceBuffer<bf16> token_projection_;                      // [d, H] tok_proj
+  cuda::DeviceBuffer<bf16> out_projection_;                        // [H, d] out_proj
+  cuda::DeviceBuffer<float> context_norm_, out_norm_;              // [d]
+  cuda::DeviceBuffer<float> mask_embedding_, block_position_;      // [γ-1, d], [γ, d]
+  cuda::DeviceBuffer<bf16> head_embedding_;                        // [V, r] markov.w1
+  cuda::DeviceBuffer<bf16> head_out_;                              // [r, V] markov.w2 (Markov, GRU) or rnn.wO
+  cuda::DeviceBuffer<float> recurrent_, recurrent_bias_;           // rnn.wH [r, r], bH [r] / gru.wJ [2r+d, 3r], bJ [3r]
+  cuda::DeviceBuffer<float> confidence_weight_, confidence_bias_;  // [d + r], [1]
+  cuda::DeviceBuffer<float> temperatures_;                         // [γ]
+
+  // Retained contexts and the batched pass that extends them.
+  std::map<int, Context> contexts_;
+  int next_context_ = 0;
+  long extend_taps_offset_ = 0;  // byte offset of the tapped rows in the extension staging
+  cuda::PinnedBuffer<unsigned char> extend_staging_;
+  cuda::DeviceBuffer<unsigned char> extend_metadata_;           // destinations [L, rows], then tapped rows [rows, m*H]
+  cuda::DeviceBuffer<float> extend_projected_, extend_hidden_;  // [rows, d]
+  cuda::DeviceBuffer<bf16> extend_normed_, extend_kv_;          // [rows, d], [rows, 2d]
+  bool extend_in_flight_ = false;                               // a copy from extend_staging_ may not have run yet
+
+  // The draft step, sized for max_rows_ rows (γ * max_rows_ block rows).
+  int max_rows_ = 0;
+  StepLayout layout_;
+  cuda::PinnedBuffer<unsigned char> staging_;
+  cuda::DeviceBuffer<unsigned char> metadata_;
+  cuda::DeviceBuffer<bf16> anchor_rows_, normed_, kvq_, attention_, projected_, gate_up_, activated_, head_input_;
+  cuda::DeviceBuffer<float> token_rows_, block_, hidden_, logits_, partial_out_, partial_lse_;
+  cuda::DeviceBuffer<float> e_, state_, recurrent_input_, recurrent_pre_, head_output_;
+  cuda::DeviceBuffer<int32_t> results_;  // tokens [γ, B], confidence [γ, B] (f32 bits), count [B]
+  cuda::DeviceBuffer<int32_t> alive_, alive_rows_;
+  cuda::DeviceBuffer<unsigned long long> argmax_keys_;  // [γ, B] greedy token selection
+  cuda::DeviceBuffer<unsigned> counters_;
+  cuda::PinnedBuffer<int32_t> results_host_;
+  cuda::PinnedBuffer<float> logits_host_;
+  std::vector<double> uniforms_;  // [γ, B] this step's uniforms, as drawn
+  std::vector<int32_t> order_;
+  std::map<std::pair<int, bool>, cudaGraphExec_t> graphs_;  // per (batch bucket, greedy)
+  cudaEvent_t step_start_ = nullptr, step_stop_ = nullptr;  // set while step timing is on
+  cuda::StepProfiler profiler_{"DSPARK_DRAFT_PROFILE", "draft profile"};  // on: every step eager, per-op times
+};
+
+}  // namespace dspark

@@ -1,0 +1,38 @@
+// The DSpark drafter as a draft source on the GPU: DSparkSource's behaviour
+// (spec/dspark_source.h) with the drafter's weights, every request's retained
+// context and the draft step on the device (spec/cuda_drafter.h). Chosen by
+// load_draft_source() when the target is a CUDA target.
+#pragma once
+#include <map>
+
+#include "spec/cuda_drafter.h"
+#include "spec/draft_source.h"
+
+namespace dspark {
+
+class CudaDSparkSource final : public DraftSource {
+ public:
+  // `head` points into the CUDA target's weights, which must outlive the source.
+  CudaDSparkSource(const Drafter& drafter, const CudaTargetHead& head, float min_confidence = 0.0f)
+      : drafter_(drafter, head), min_confidence_(min_confidence) {}
+  std::vector<int> tap_layers() const override { return drafter_.config().tap_layers; }
+  void begin(int row, std::span<const int32_t> prompt, uint64_t seed) override;
+  void accept(int row, std::span<const int32_t> tokens, const float* tapped_rows) override;
+  void propose(std::span<const int> rows, std::span<const int32_t> pending, std::span<const int> max_tokens,
+               const cpu::SamplingParams& sampling, std::vector<Proposal>& proposals) override;
+  void end(int row) override;
+
+  CudaDrafter& drafter() { return drafter_; }
+
+ private:
+  struct RowState {
+    int context;
+    Rng rng;
+  };
+  CudaDrafter drafter_;
+  float min_confidence_;
+  std::map<int, RowState> rows_;
+  std::vector<DraftResult> results_;
+};
+
+}  // namespace dspark

@@ -1,0 +1,683 @@
+// The CUDA drafter against the CPU drafter: each new op on random inputs
+// (same names as the CPU ops, hand-written references where the CPU has no
+// op of its own), then whole draft steps on the golden qwen3 target for the
+// Markov, RNN and GRU heads: logits and confidences within bf16 tolerance of
+// the CPU's (teacher-forced on the GPU's own tokens, so a near-tie flipped by
+// bf16 cannot derail the comparison), greedy tokens equal wherever the CPU's
+// top-2 gap is clear, ragged contexts, pruning, retained context == recompute,
+// graph replays, sampling streams, and lossless speculative decoding with the
+// GPU drafter. Runs on a GPU machine: tests/tools/run_cuda_checks.sh.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+#include <tuple>
+#include <type_traits>
+
+#include "device_test_util.h"
+#include "golden.h"
+#include "kernels/cpu/activation.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/sampling.h"
+#include "kernels/cuda/activation.h"
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/draft.h"
+#include "kernels/cuda/matmul.h"
+#include "model/cpu_target.h"
+#include "model/cuda_target.h"
+#include "model/generate.h"
+#include "model/kv_cache.h"
+#include "model/target.h"
+#include "model/transformer.h"
+#include "random_drafter.h"
+#include "spec/cuda_drafter.h"
+#include "spec/cuda_dspark_source.h"
+#include "spec/draft.h"
+#include "spec/draft_sources.h"
+#include "spec/speculative.h"
+
+namespace dspark {
+namespace {
+
+using bf16 = __nv_bfloat16;
+using cuda::DeviceBuffer;
+using testing::bf16_rounded;
+using testing::from_device;
+using testing::golden_model;
+using testing::kBf16Tolerance;
+using testing::random_values;
+using testing::relative_error;
+using testing::to_device;
+using testing::to_device_bf16;
+
+float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+// Device pointers as the uint64 words a pointer array holds.
+template <class T>
+uint64_t address(const T* pointer) {
+  return reinterpret_cast<uint64_t>(pointer);
+}
+
+// ---------------------------------------------------------------- ops
+
+TEST(CudaDraftOps, GeluTanhGateMatchesCpu) {
+  const int rows = 3, F = 300;
+  const auto gate_up = bf16_rounded(random_values(rows * 2 * F, 60, 3.0f));
+  std::vector<float> expected(rows * F);
+  for (int r = 0; r < rows; ++r)
+    cpu::gelu_tanh_gate_forward(expected.data() + r * F, gate_up.data() + r * 2 * F, gate_up.data() + r * 2 * F + F, F);
+  auto input = to_device_bf16(gate_up);
+  DeviceBuffer<bf16> out(rows * F);
+  cuda::gelu_tanh_gate_forward(out.data(), input.data(), rows, F, nullptr);
+  EXPECT_LE(relative_error(from_device(out).data(), expected.data(), expected.size()), kBf16Tolerance);
+}
+
+TEST(CudaDraftOps, GeluTanhGateMatmulMatchesCpu) {
+  for (int rows : {1, 4, 16}) {  // fused into the GEMV, or the activation then cuBLASLt
+    const int in = 512, out_features = 256;
+    const auto gate_up = bf16_rounded(random_values(rows * 2 * in, 61, 2.0f));
+    const auto weight = bf16_rounded(random_values(out_features * in, 62));
+    std::vector<float> activated(rows * in), expected(rows * out_features);
+    for (int r = 0; r < rows; ++r)
+      cpu::gelu_tanh_gate_forward(activated.data() + r * in, gate_up.data() + r * 2 * in,
+                                  gate_up.data() + r * 2 * in + in, in);
+    activated = bf16_rounded(activated);
+    cpu::matmul_forward(expected.data(), activated.data(), weight.data(), nullptr, rows, in, out_features);
+    auto gate_up_device = to_device_bf16(gate_up), weight_device = to_device_bf16(weight);
+    DeviceBuffer<bf16> scratch(rows * in), out(rows * out_features);
+    cuda::gelu_tanh_gate_matmul_forward(out.data(), cuda::MatmulOutput::BF16, gate_up_device.data(), scratch.data(),
+                                        weight_device.data(), nullptr, rows, in, out_features, nullptr);
+    EXPECT_LE(relative_error(from_device(out).data(), expected.data(), expected.size()), kBf16Tolerance) << rows;
+  }
+}
+
+template <class Weight>
+void check_matmul_in_out(bool bf16_weight) {
+  for (int rows : {1, 3, 8, 13}) {
+    for (int out_features : {1088, 1006, 24}) {  // 16-byte weight loads, element loads, one partial block
+      const int in = 40;
+      const auto x = random_values(rows * in, 63);
+      auto weight = random_values(size_t(in) * out_features, 64);
+      if (bf16_weight) weight = bf16_rounded(weight);
+      const auto bias = random_values(out_features, 65), initial = random_values(size_t(rows) * out_features, 66);
+      std::vector<float> product(size_t(rows) * out_features);
+      cpu::matmul_in_out_forward(product.data(), x.data(), weight.data(), rows, in, out_features);
+      auto x_device = to_device(x), bias_device = to_device(bias);
+      DeviceBuffer<Weight> weight_device;
+      if constexpr (std::is_same_v<Weight, float>)
+        weight_device = to_device(weight);
+      else
+        weight_device = to_device_bf16(weight);
+      for (bool accumulate : {false, true}) {
+        std::vector<float> expected(product);
+        for (int r = 0; r < rows; ++r)
+          for (int o = 0; o < out_features; ++o)
+            expected[size_t(r) * out_features + o] +=
+                bias[o] + (accumulate ? initial[size_t(r) * out_features + o] : 0);
+        auto out = to_device(initial);
+        cuda::matmul_in_out_forward(out.data(), x_device.data(), weight_device.data(), bias_device.data(), rows, in,
+                                    out_features, accumulate, nullptr, nullptr);
+        EXPECT_LE(relative_error(from_device(out).data(), expected.data(), expected.size()), 1e-5)
+            << rows << " x " << out_features << (accumulate ? " accumulated" : "");
+      }
+      // A zero run_if flag: nothing is written.
+      auto out = to_device(initial);
+      auto flag = to_device(std::vector<int32_t>{0});
+      cuda::matmul_in_out_forward(out.data(), x_device.data(), weight_device.data(), nullptr, rows, in, out_features,
+                                  false, flag.data(), nullptr);
+      EXPECT_EQ(from_device(out), initial);
+    }
+  }
+}
+
+TEST(CudaDraftOps, MatmulInOutMatchesCpu) {
+  check_matmul_in_out<bf16>(true);
+  check_matmul_in_out<float>(false);
+}
+
+TEST(CudaDraftOps, MatmulInOutArgmaxFindsTheFirstLargest) {
+  for (int rows : {1, 3, 8, 13}) {
+    for (int out_features : {1088, 1006}) {
+      const int in = 24;
+      const auto x = random_values(rows * in, 67);
+      auto weight = bf16_rounded(random_values(size_t(in) * out_features, 68));
+      auto initial = random_values(size_t(rows) * out_features, 69);
+      // Row 0: an exact tie for the maximum, in different blocks (the first index must win).
+      for (int column : {700, 300}) {
+        for (int i = 0; i < in; ++i) weight[size_t(i) * out_features + column] = 0.0f;
+        initial[column] = 1e3f;
+      }
+      std::vector<float> expected(size_t(rows) * out_features);
+      cpu::matmul_in_out_forward(expected.data(), x.data(), weight.data(), rows, in, out_features);
+      for (size_t i = 0; i < expected.size(); ++i) expected[i] += initial[i];
+      auto x_device = to_device(x), out = to_device(initial);
+      auto weight_device = to_device_bf16(weight);
+      auto keys = to_device(std::vector<unsigned long long>(rows, 0));
+      DeviceBuffer<int32_t> tokens(rows + 1);
+      auto no_key = to_device(std::vector<unsigned long long>{0});
+      cuda::matmul_in_out_argmax_forward(out.data(), x_device.data(), weight_device.data(), nullptr, rows, in,
+                                         out_features, true, keys.data(), nullptr, nullptr);
+      cuda::argmax_tokens_forward(tokens.data(), keys.data(), rows, nullptr);
+      cuda::argmax_tokens_forward(tokens.data() + rows, no_key.data(), 1, nullptr);
+      const auto logits = from_device(out);
+      EXPECT_LE(relative_error(logits.data(), expected.data(), expected.size()), 1e-5);
+      const auto chosen = from_device(tokens);
+      for (int r = 0; r < rows; ++r)  // the GPU's own logits decide (the CPU's sum may round a near-tie apart)
+        EXPECT_EQ(chosen[r], cpu::argmax(logits.data() + size_t(r) * out_features, out_features)) << "row " << r;
+      EXPECT_EQ(chosen[0], 300);
+      EXPECT_EQ(chosen[rows], -1) << "a key never written";
+    }
+  }
+}
+
+TEST(CudaDraftOps, BidirectionalAttentionMatchesCpu) {
+  // Ragged contexts (one empty), context rows k | v interleaved (stride 2d) as
+  // the drafter stores them, block rows position-major in a q | k | v buffer.
+  const std::vector<int> lengths = {0, 5, 70, 300};
+  const int B = static_cast<int>(lengths.size());
+  for (auto [heads, head_dim, gamma] : {std::tuple{4, 8, 7}, std::tuple{2, 64, 1}, std::tuple{8, 128, 7}}) {
+    const int d = heads * head_dim;
+    std::vector<std::vector<float>> contexts;  // [length, 2d] each
+    std::vector<DeviceBuffer<bf16>> context_device;
+    std::vector<uint64_t> key_pointers, value_pointers;
+    for (int b = 0; b < B; ++b) {
+      contexts.push_back(bf16_rounded(random_values(size_t(lengths[b]) * 2 * d, 70 + b)));
+      context_device.push_back(to_device_bf16(contexts.back()));
+      key_pointers.push_back(lengths[b] ? address(context_device.back().data()) : 0);
+      value_pointers.push_back(lengths[b] ? address(context_device.back().data() + d) : 0);
+    }
+    const auto qkv = bf16_rounded(random_values(size_t(gamma) * B * 3 * d, 80, 2.0f));
+    std::vector<float> expected(size_t(gamma) * B * d), scores(512);
+    for (int b = 0; b < B; ++b) {
+      const int total = lengths[b] + gamma;
+      std::vector<float> q(size_t(gamma) * d), keys(size_t(total) * d), values(size_t(total) * d), out(q.size());
+      for (int p = 0; p < lengths[b]; ++p) {
+        std::copy_n(contexts[b].data() + size_t(p) * 2 * d, d, keys.data() + size_t(p) * d);
+        std::copy_n(contexts[b].data() + size_t(p) * 2 * d + d, d, values.data() + size_t(p) * d);
+      }
+      for (int k = 0; k < gamma; ++k) {
+        const float* row = qkv.data() + (size_t(k) * B + b) * 3 * d;
+        std::copy_n(row, d, q.data() + size_t(k) * d);
+        std::copy_n(row + d, d, keys.data() + size_t(lengths[b] + k) * d);
+        std::copy_n(row + 2 * d, d, values.data() + size_t(lengths[b] + k) * d);
+      }
+      cpu::bidirectional_attention_forward(out.data(), q.data(), keys.data(), values.data(), gamma, total, heads,
+                                           head_dim, scores.data());
+      for (int k = 0; k < gamma; ++k)
+        std::copy_n(out.data() + size_t(k) * d, d, expected.data() + (size_t(k) * B + b) * d);
+    }
+    auto qkv_device = to_device_bf16(qkv);
+    auto keys_device = to_device(key_pointers), values_device = to_device(value_pointers);
+    auto lengths_device = to_device(std::vector<int32_t>(lengths.begin(), lengths.end()));
+    const cuda::DraftAttentionBatch batch{reinterpret_cast<const bf16* const*>(keys_device.data()),
+                                          reinterpret_cast<const bf16* const*>(values_device.data()),
+                                          lengths_device.data(), 2L * d, B};
+    for (int splits : {1, 3, 16}) {
+      DeviceBuffer<bf16> out(size_t(gamma) * B * d);
+      DeviceBuffer<float> partial_out(size_t(B) * heads * splits * gamma * head_dim),
+          partial_lse(size_t(B) * heads * splits * gamma);
+      auto counters = to_device(std::vector<unsigned>(B * heads, 0u));
+      for (int run = 0; run < 2; ++run) {  // the second run checks the merge left its tickets at zero
+        cuda::bidirectional_attention_forward(out.data(), qkv_device.data(), qkv_device.data() + d,
+                                              qkv_device.data() + 2 * d, 3L * d, batch, gamma, heads, head_dim, splits,
+                                              partial_out.data(), partial_lse.data(), counters.data(), nullptr);
+        EXPECT_LE(relative_error(from_device(out).data(), expected.data(), expected.size()), kBf16Tolerance)
+            << "head_dim " << head_dim << " splits " << splits << " run " << run;
+      }
+      EXPECT_EQ(from_device(counters), std::vector<unsigned>(B * heads, 0u));
+    }
+  }
+}
+
+TEST(CudaDraftOps, DraftBlockRows) {
+  const int B = 3, gamma = 4, d = 40;
+  const auto tokens = random_values(B * d, 90), mask = random_values((gamma - 1) * d, 91);
+  const auto positions = random_values(gamma * d, 92);
+  auto tokens_device = to_device(tokens), mask_device = to_device(mask), positions_device = to_device(positions);
+  DeviceBuffer<float> block(gamma * B * d);
+  cuda::draft_block_forward(block.data(), tokens_device.data(), mask_device.data(), positions_device.data(), B, gamma,
+                            d, nullptr);
+  const auto out = from_device(block);
+  for (int k = 0; k < gamma; ++k)
+    for (int b = 0; b < B; ++b)
+      for (int i = 0; i < d; ++i) {
+        const float source = k == 0 ? tokens[b * d + i] : mask[(k - 1) * d + i];
+        ASSERT_EQ(out[(k * B + b) * d + i], source + positions[k * d + i]) << k << " " << b << " " << i;
+      }
+}
+
+TEST(CudaDraftOps, SequentialHeadPrepareConfidenceAndPruning) {
+  // DESIGN §2 by hand: e_k = w1[x_{k-1}], c_k = σ(([h_k; e_k] @ conf.w + conf.b) / T_k);
+  // a row stops at the first k >= 1 below its threshold or min_confidence, or at its limit.
+  const int B = 4, gamma = 5, r = 8, d = 24, V = 50;
+  const std::vector<int32_t> anchors = {3, 7, 11, 49}, limits = {5, 5, 2, 0};
+  std::vector<int32_t> tokens(gamma * B);
+  Rng rng(93);
+  for (int32_t& token : tokens) token = int32_t(rng.next() % V);
+  const auto w1 = bf16_rounded(random_values(V * r, 94, 2.0f)), hidden = random_values(gamma * B * d, 95);
+  const auto confidence_weight = random_values(d + r, 96, 0.5f);
+  const std::vector<float> bias = {0.3f}, temperatures = {1.0f, 2.0f, 0.5f, 1.0f, 1.5f};
+  cuda::DraftControl control{};
+  control.min_confidence = 0.2f;
+  control.has_thresholds = 1;
+  for (int k = 0; k < gamma; ++k) control.thresholds[k] = float(rng.uniform());
+
+  for (auto kind : {cuda::SequentialHeadKind::Markov, cuda::SequentialHeadKind::Rnn, cuda::SequentialHeadKind::Gru}) {
+    auto w1_device = to_device_bf16(w1);
+    auto weight_device = to_device(confidence_weight), bias_device = to_device(bias);
+    auto temperatures_device = to_device(temperatures), hidden_device = to_device(hidden);
+    auto anchors_device = to_device(anchors), limits_device = to_device(limits), tokens_device = to_device(tokens);
+    auto control_device = to_device(std::vector<cuda::DraftControl>{control});
+    DeviceBuffer<float> e(B * r), confidence(gamma * B), z(B * (2 * r + d));
+    auto state = to_device(random_values(B * r, 97));  // zeroed at position 0
+    DeviceBuffer<int32_t> alive(B), count(B);
+    auto alive_rows = to_device(std::vector<int32_t>(gamma, 0));
+    const cuda::SequentialHeadWeights weights{w1_device.data(), weight_device.data(), bias_device.data(),
+                                              temperatures_device.data()};
+    // The Markov pass reads x_{k-1} from argmax keys (the greedy step), the others from tokens.
+    std::vector<unsigned long long> keys(gamma * B);
+    for (int i = 0; i < gamma * B; ++i) keys[i] = (0x80000000ull << 32) | (0xffffffffu - unsigned(tokens[i]));
+    auto keys_device = to_device(keys);
+    const bool from_keys = kind == cuda::SequentialHeadKind::Markov;
+    const cuda::SequentialHeadState head{
+        anchors_device.data(), limits_device.data(), tokens_device.data(), from_keys ? keys_device.data() : nullptr,
+        confidence.data(),     alive.data(),         count.data(),         alive_rows.data()};
+    std::vector<bool> alive_expected(B, true);
+    std::vector<int32_t> count_expected(B, 0), alive_rows_expected(gamma, 0);
+    for (int k = 0; k < gamma; ++k) {
+      cuda::sequential_head_prepare_forward(e.data(), z.data(), state.data(), hidden_device.data(), k, B, r, d, V, kind,
+                                            weights, control_device.data(), head, nullptr);
+      const auto e_values = from_device(e), confidences = from_device(confidence), z_values = from_device(z);
+      const auto state_values = from_device(state);
+      for (int b = 0; b < B; ++b) {
+        const int32_t previous = k == 0 ? anchors[b] : tokens[(k - 1) * B + b];
+        const float* h = hidden.data() + (k * B + b) * d;
+        float logit = bias[0];
+        for (int i = 0; i < d; ++i) logit += h[i] * confidence_weight[i];
+        for (int i = 0; i < r; ++i) {
+          ASSERT_EQ(e_values[b * r + i], w1[previous * r + i]) << "e, position " << k << " row " << b;
+          logit += w1[previous * r + i] * confidence_weight[d + i];
+        }
+        const float c = sigmoid(logit / temperatures[k]);
+        EXPECT_NEAR(confidences[k * B + b], c, 1e-5) << "position " << k << " row " << b;
+        const bool below = c < control.thresholds[k] || c < control.min_confidence;
+        if (k >= limits[b] || (k >= 1 && below)) alive_expected[b] = false;
+        if (alive_expected[b]) count_expected[b] = k + 1, ++alive_rows_expected[k];
+        if (kind == cuda::SequentialHeadKind::Gru) {
+          const float* row = z_values.data() + b * (2 * r + d);
+          for (int i = 0; i < r; ++i) {
+            if (k == 0) {
+              EXPECT_EQ(row[i], 0.0f);  // s_{-1} = 0 (later: the state the update kernel leaves)
+            }
+            EXPECT_EQ(row[r + i], w1[previous * r + i]);
+          }
+          for (int i = 0; i < d; ++i) EXPECT_EQ(row[2 * r + i], h[i]);
+        }
+        if (kind != cuda::SequentialHeadKind::Markov && k == 0) {
+          for (int i = 0; i < r; ++i) EXPECT_EQ(state_values[b * r + i], 0.0f);
+        }
+      }
+    }
+    EXPECT_EQ(from_device(count), count_expected);
+    EXPECT_EQ(from_device(alive_rows), alive_rows_expected);
+    EXPECT_EQ(count_expected[3], 0);  // the padding row (limit 0) drafts nothing
+  }
+}
+
+TEST(CudaDraftOps, RecurrentUpdatesMatchTheFormulas) {
+  const int B = 3, r = 300;
+  const auto e = random_values(B * r, 100), state = random_values(B * r, 101);
+  {  // RNN: s = tanh(pre + e), pre = s @ wH + bH
+    const auto pre = random_values(B * r, 102, 2.0f);
+    auto state_device = to_device(state), pre_device = to_device(pre), e_device = to_device(e);
+    cuda::recurrent_update_forward(state_device.data(), nullptr, pre_device.data(), e_device.data(), B, r,
+                                   cuda::SequentialHeadKind::Rnn, nullptr);
+    const auto out = from_device(state_device);
+    for (int i = 0; i < B * r; ++i) EXPECT_NEAR(out[i], std::tanh(pre[i] + e[i]), 1e-6) << i;
+  }
+  {  // GRU: keep = σ(g); s = keep s + (1 - keep) tanh(c); output = tanh(o)
+    const auto pre = random_values(B * 3 * r, 103, 2.0f);
+    auto state_device = to_device(state), pre_device = to_device(pre), e_device = to_device(e);
+    DeviceBuffer<float> output(B * r);
+    cuda::recurrent_update_forward(state_device.data(), output.data(), pre_device.data(), e_device.data(), B, r,
+                                   cuda::SequentialHeadKind::Gru, nullptr);
+    const auto new_state = from_device(state_device), out = from_device(output);
+    for (int b = 0; b < B; ++b)
+      for (int i = 0; i < r; ++i) {
+        const float* gates = pre.data() + b * 3 * r;
+        const float keep = sigmoid(gates[i]);
+        EXPECT_NEAR(new_state[b * r + i], keep * state[b * r + i] + (1 - keep) * std::tanh(gates[r + i]), 1e-6);
+        EXPECT_NEAR(out[b * r + i], std::tanh(gates[2 * r + i]), 1e-6);
+      }
+  }
+}
+
+TEST(CudaDraftOps, ScatterRowsSkipsNullDestinations) {
+  const int count = 3, width = 72;
+  const auto rows = bf16_rounded(random_values(count * width, 104));
+  auto rows_device = to_device_bf16(rows);
+  DeviceBuffer<bf16> destination(4 * width);
+  CUDA_CHECK(cudaMemset(destination.data(), 0, destination.bytes()));
+  auto pointers = to_device(
+      std::vector<uint64_t>{address(destination.data() + 3 * width), 0, address(destination.data() + 1 * width)});
+  cuda::scatter_rows_forward(reinterpret_cast<bf16* const*>(pointers.data()), rows_device.data(), count, width,
+                             nullptr);
+  const auto out = from_device(destination);
+  for (int i = 0; i < width; ++i) {
+    EXPECT_EQ(out[3 * width + i], rows[i]);
+    EXPECT_EQ(out[1 * width + i], rows[2 * width + i]);
+    EXPECT_EQ(out[0 * width + i], 0.0f);
+    EXPECT_EQ(out[2 * width + i], 0.0f);
+  }
+}
+
+// ---------------------------------------------------------------- whole draft steps
+
+constexpr double kLogitTolerance = 3e-2;       // bf16 weights and activations through the backbone
+constexpr double kConfidenceTolerance = 2e-2;  // |c_gpu - c_cpu|
+constexpr float kClearGap = 0.05f;             // a top-2 gap this fraction of the logit spread is not a near-tie
+
+class CudaDrafting : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    host_ = std::make_unique<Transformer>(load_transformer(golden_model("qwen3")));
+    target_ = load_target(golden_model("qwen3"), "cuda");
+    const ModelConfig& c = host_->config;
+    DrafterConfig config;
+    config.gamma = 6;
+    config.d_draft = 64;
+    config.num_layers = 2;
+    config.num_heads = 4;  // head_dim 16
+    config.markov_rank = 16;
+    config.tap_layers = {1, 3, 4};
+    config.seq_head = GetParam();
+    drafter_ = init_drafter(config, {c.hidden_size, c.vocab_size, c.rms_norm_eps}, "qwen3", 3);
+    testing::randomize_parameters(drafter_, 11, 1.0f);
+    head_ = target_head_of(*host_);
+    // Real tapped rows of the golden target for tokens_.
+    KVCache cache(c, 128);
+    ForwardWorkspace workspace;
+    ForwardOutput output;
+    ForwardSequence sequence{&cache, tokens_, false};
+    transformer_forward(*host_, {&sequence, 1}, config.tap_layers, workspace, output);
+    taps_ = output.taps;
+    width_ = static_cast<int>(config.tap_layers.size()) * c.hidden_size;
+    gpu_ = std::make_unique<CudaDrafter>(drafter_, *cuda_target_head(*target_));
+  }
+  void TearDown() override { gpu_.reset(); }
+
+  const float* taps(int row) const { return taps_.data() + size_t(row) * width_; }
+  DraftContext cpu_context(int rows) const {
+    DraftContext context;
+    extend_draft_context(drafter_, context, taps(0), rows);
+    return context;
+  }
+  int gpu_context(int rows) {
+    const int id = gpu_->create_context();
+    gpu_->extend_context(id, taps(0), rows);
+    return id;
+  }
+
+  // A GPU draft against the CPU drafter teacher-forced on the GPU's own tokens:
+  // logits and confidences close, each token the CPU's argmax up to bf16 noise
+  // (and exactly it where the CPU's top-2 gap is clear). Returns the CPU's
+  // confidences for all γ positions.
+  std::vector<float> expect_matches_cpu(const DraftResult& gpu, const DraftContext& context, int32_t anchor,
+                                        const std::string& what) {
+    const int gamma = drafter_.config.gamma, V = drafter_.dims.vocab_size;
+    std::vector<int32_t> forced(gpu.tokens);
+    forced.resize(gamma, 0);
+    const DraftForward cpu = draft_teacher_forced(drafter_, head_, context, anchor, forced);
+    const size_t n = gpu.tokens.size();
+    EXPECT_GE(n, 1u) << what;
+    int clear = 0;
+    for (size_t k = 0; k < n; ++k) {
+      const float* row = cpu.logits.data() + k * V;
+      EXPECT_NEAR(gpu.confidence[k], cpu.confidence[k], kConfidenceTolerance) << what << " position " << k;
+      if (!gpu.logits.empty()) {
+        EXPECT_LE(relative_error(gpu.logits.data() + k * V, row, V), kLogitTolerance) << what << " position " << k;
+      }
+      const int32_t best = cpu::argmax(row, V);
+      const float spread = row[best] - *std::min_element(row, row + V);
+      float second = -INFINITY;
+      for (int i = 0; i < V; ++i)
+        if (i != best) second = std::max(second, row[i]);
+      EXPECT_GE(row[gpu.tokens[k]], row[best] - 2e-2f * spread) << what << " position " << k;
+      if (row[best] - second > kClearGap * spread) {
+        EXPECT_EQ(gpu.tokens[k], best) << what << " position " << k << ": the CPU's top-2 gap is clear";
+        ++clear;
+      }
+    }
+    EXPECT_GT(clear, 0) << what << ": no position had a clear top-2 gap (the test compares nothing exactly)";
+    return cpu.confidence;
+  }
+
+  std::vector<int32_t> tokens_ = {12, 400, 33, 901, 7, 256, 64, 500, 3, 77, 120, 5, 640, 18, 1000, 42};
+  std::unique_ptr<Transformer> host_;
+  std::unique_ptr<Target> target_;
+  Drafter drafter_;
+  TargetHead head_;
+  std::vector<float> taps_;
+  int width_ = 0;
+  std::unique_ptr<CudaDrafter> gpu_;
+};
+
+TEST_P(CudaDrafting, RaggedBatchMatchesCpu) {
+  // Three rows, one with an empty context: bucket 4 with a padding row; then
+  // each row alone (bucket 1), twice (eager, then the captured graph).
+  const std::vector<int> lengths = {2, 15, 0};
+  const std::vector<int32_t> anchors = {tokens_[2], tokens_[15], tokens_[0]};
+  std::vector<CudaDraftRequest> requests;
+  for (size_t i = 0; i < lengths.size(); ++i) requests.push_back({gpu_context(lengths[i]), anchors[i], nullptr});
+  DraftOptions options;
+  options.collect_logits = true;
+  std::vector<DraftResult> batched, alone;
+  gpu_->draft(requests, options, batched);
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    ASSERT_EQ(batched[i].tokens.size(), size_t(drafter_.config.gamma)) << "no pruning asked for";
+    expect_matches_cpu(batched[i], cpu_context(lengths[i]), anchors[i], "batched row " + std::to_string(i));
+    for (int run = 0; run < 2; ++run) {
+      gpu_->draft({&requests[i], 1}, options, alone);
+      expect_matches_cpu(alone[0], cpu_context(lengths[i]), anchors[i], "row " + std::to_string(i) + " alone");
+    }
+  }
+}
+
+TEST_P(CudaDrafting, GraphReplaysEqualTheEagerStep) {
+  const int context = gpu_context(9);
+  const CudaDraftRequest request{context, tokens_[9], nullptr};
+  DraftOptions options;
+  options.collect_logits = true;
+  std::vector<DraftResult> eager, replayed;
+  gpu_->draft({&request, 1}, options, eager);  // a bucket's first step runs eagerly, later ones replay its graph
+  for (int run = 0; run < 3; ++run) {
+    gpu_->draft({&request, 1}, options, replayed);
+    EXPECT_EQ(replayed[0].tokens, eager[0].tokens) << run;
+    EXPECT_EQ(replayed[0].confidence, eager[0].confidence) << run;
+    EXPECT_EQ(replayed[0].logits, eager[0].logits) << run;
+  }
+}
+
+TEST_P(CudaDrafting, PruningMatchesCpu) {
+  const int length = 10, gamma = drafter_.config.gamma;
+  const int context = gpu_context(length);
+  const DraftContext cpu = cpu_context(length);
+  const CudaDraftRequest request{context, tokens_[length], nullptr};
+  std::vector<DraftResult> full;
+  gpu_->draft({&request, 1}, DraftOptions{}, full);
+  const std::vector<float> c = expect_matches_cpu(full[0], cpu, tokens_[length], "unpruned");
+  // Thresholds 0.1 clear of the CPU's confidences: keep positions 0..2, stop at 3.
+  DraftOptions options;
+  options.thresholds.resize(gamma);
+  for (int k = 0; k < gamma; ++k) options.thresholds[k] = k == 3 ? c[k] + 0.1f : c[k] - 0.1f;
+  options.thresholds[0] = 2.0f;  // position 0 is always kept
+  std::vector<DraftResult> pruned;
+  gpu_->draft({&request, 1}, options, pruned);
+  ASSERT_EQ(pruned[0].tokens.size(), 3u);
+  EXPECT_TRUE(std::equal(pruned[0].tokens.begin(), pruned[0].tokens.end(), full[0].tokens.begin()));
+  // A floor above every confidence: only position 0.
+  DraftOptions floor;
+  floor.min_confidence = *std::max_element(c.begin(), c.end()) + 0.1f;
+  gpu_->draft({&request, 1}, floor, pruned);
+  EXPECT_EQ(pruned[0].tokens.size(), 1u);
+  // A floor between the confidences: the first position k >= 1 below it, as the CPU drafter stops.
+  std::vector<float> sorted(c.begin() + 1, c.end());
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t i = 0; i + 1 < sorted.size(); ++i) {
+    if (sorted[i + 1] - sorted[i] < 2 * kConfidenceTolerance) continue;  // too close to call under bf16
+    floor.min_confidence = 0.5f * (sorted[i] + sorted[i + 1]);
+    size_t expected = 1;
+    while (expected < size_t(gamma) && c[expected] >= floor.min_confidence) ++expected;
+    gpu_->draft({&request, 1}, floor, pruned);
+    EXPECT_EQ(pruned[0].tokens.size(), expected) << "floor " << floor.min_confidence;
+    DraftWorkspace workspace;
+    std::vector<DraftResult> on_cpu;
+    const DraftRequest cpu_request{&cpu, tokens_[length], nullptr};
+    draft(drafter_, head_, {&cpu_request, 1}, floor, workspace, on_cpu);
+    if (on_cpu[0].tokens.size() <= 1 ||  // the same path as the GPU's (no near-tie flipped by bf16)
+        std::equal(on_cpu[0].tokens.begin(), on_cpu[0].tokens.end(), full[0].tokens.begin())) {
+      EXPECT_EQ(pruned[0].tokens.size(), on_cpu[0].tokens.size()) << "floor " << floor.min_confidence;
+    }
+  }
+  // max_tokens cuts every row.
+  DraftOptions short_draft;
+  short_draft.max_tokens = 2;
+  gpu_->draft({&request, 1}, short_draft, pruned);
+  EXPECT_EQ(pruned[0].tokens.size(), 2u);
+}
+
+TEST_P(CudaDrafting, RetainedContextEqualsRecompute) {
+  const int d = drafter_.config.d_draft;
+  const int whole = gpu_context(12), pieces = gpu_->create_context();
+  gpu_->extend_context(pieces, taps(0), 3);
+  gpu_->flush_contexts();
+  gpu_->extend_context(pieces, taps(3), 1);
+  gpu_->extend_context(pieces, taps(4), 8);  // two staged pieces, projected together
+  const DraftContext cpu = cpu_context(12);
+  for (int l = 0; l < drafter_.config.num_layers; ++l) {
+    std::vector<float> keys, values, piece_keys, piece_values;
+    gpu_->read_context(whole, l, keys, values);
+    gpu_->read_context(pieces, l, piece_keys, piece_values);
+    ASSERT_EQ(keys.size(), size_t(12) * d);
+    ASSERT_EQ(piece_keys.size(), keys.size());
+    EXPECT_LE(relative_error(keys.data(), cpu.keys[l].data(), keys.size()), kBf16Tolerance) << "layer " << l;
+    EXPECT_LE(relative_error(values.data(), cpu.values[l].data(), values.size()), kBf16Tolerance) << "layer " << l;
+    EXPECT_LE(relative_error(piece_keys.data(), keys.data(), keys.size()), kBf16Tolerance) << "layer " << l;
+    EXPECT_LE(relative_error(piece_values.data(), values.data(), values.size()), kBf16Tolerance) << "layer " << l;
+  }
+  // Rolled back (past projected and staged rows) and regrown, a context drafts as if never extended past the cut.
+  gpu_->extend_context(pieces, taps(12), 2);
+  gpu_->truncate_context(pieces, 13);  // drops one staged row
+  EXPECT_EQ(gpu_->context_length(pieces), 13);
+  gpu_->truncate_context(pieces, 6);  // drops projected rows
+  EXPECT_EQ(gpu_->context_length(pieces), 6);
+  gpu_->extend_context(pieces, taps(6), 3);
+  DraftOptions options;
+  options.collect_logits = true;
+  std::vector<DraftResult> regrown;
+  const CudaDraftRequest request{pieces, tokens_[9], nullptr};
+  gpu_->draft({&request, 1}, options, regrown);
+  expect_matches_cpu(regrown[0], cpu_context(9), tokens_[9], "regrown");
+  // Growth past the first allocation (64 rows) keeps the rows already there.
+  const int grown = gpu_context(16);
+  gpu_->flush_contexts();  // the first allocation: 64 rows
+  for (int i = 0; i < 5; ++i) gpu_->extend_context(grown, taps_.data(), 16);
+  std::vector<float> grown_keys, grown_values, keys, values;
+  gpu_->read_context(grown, 1, grown_keys, grown_values);
+  gpu_->read_context(whole, 1, keys, values);
+  ASSERT_EQ(grown_keys.size(), size_t(96) * d);
+  EXPECT_LE(relative_error(grown_keys.data(), keys.data(), size_t(12) * d), kBf16Tolerance);
+  EXPECT_LE(relative_error(grown_keys.data() + size_t(80) * d, keys.data(), size_t(12) * d), kBf16Tolerance);
+}
+
+TEST_P(CudaDrafting, SamplingConsumesEachRowsStreamAsTheCpuDoes) {
+  const int context = gpu_context(8), V = drafter_.dims.vocab_size;
+  DraftOptions options;
+  options.sampling = {1.0f, 0, 1.0f};
+  options.collect_logits = true;
+  auto sample = [&](uint64_t seed) {
+    Rng rng(seed);
+    const CudaDraftRequest request{context, tokens_[8], &rng};
+    std::vector<DraftResult> results;
+    gpu_->draft({&request, 1}, options, results);
+    const DraftResult& result = results[0];
+    EXPECT_EQ(result.probs.size(), result.tokens.size() * V);
+    Rng expected(seed);  // one uniform per kept position, in order
+    for (size_t k = 0; k < result.tokens.size(); ++k) {
+      const float* q = result.probs.data() + k * V;
+      EXPECT_GT(q[result.tokens[k]], 0.0f) << "position " << k;
+      EXPECT_EQ(result.tokens[k], cpu::sample_from_distribution(q, V, expected.uniform())) << "position " << k;
+      std::vector<float> recomputed(V);
+      std::vector<int32_t> order;
+      cpu::processed_distribution(recomputed.data(), result.logits.data() + k * V, V, options.sampling, order);
+      EXPECT_EQ(std::vector<float>(q, q + V), recomputed) << "position " << k;
+    }
+    EXPECT_EQ(rng.next(), expected.next()) << "the row's stream advanced by exactly the kept positions";
+    return result.tokens;
+  };
+  EXPECT_EQ(sample(1), sample(1));
+  std::set<std::vector<int32_t>> distinct;
+  for (uint64_t seed = 0; seed < 8; ++seed) distinct.insert(sample(seed));
+  EXPECT_GT(distinct.size(), 1u);
+  // The CPU drafter with the same seed draws the same first token (its
+  // distribution differs from the GPU's only by bf16 noise).
+  int same = 0;
+  const DraftContext cpu = cpu_context(8);
+  for (uint64_t seed = 0; seed < 16; ++seed) {
+    Rng cpu_rng(seed);
+    DraftWorkspace workspace;
+    std::vector<DraftResult> on_cpu;
+    const DraftRequest cpu_request{&cpu, tokens_[8], &cpu_rng};
+    draft(drafter_, head_, {&cpu_request, 1}, options, workspace, on_cpu);
+    same += on_cpu[0].tokens[0] == sample(seed)[0];
+  }
+  EXPECT_GE(same, 13);
+}
+
+TEST_P(CudaDrafting, SpeculativeDecodingWithTheGpuDrafterIsLossless) {
+  std::vector<std::vector<int32_t>> prompts;
+  const Json forward = testing::golden_reference("qwen3", "forward.json");
+  for (const auto& prompt : forward["prompts"]) prompts.push_back(prompt["ids"].get<std::vector<int32_t>>());
+  prompts.push_back({prompts[0][0]});  // nothing to prefill: an empty context
+  GenerateOptions plain_options;
+  plain_options.max_new_tokens = 24;
+  plain_options.ignore_eos = true;
+  const auto plain = generate_batch(*target_, prompts, plain_options);
+  CudaDSparkSource source(drafter_, *cuda_target_head(*target_));
+  SpeculativeOptions options;
+  options.max_new_tokens = 24;
+  options.ignore_eos = true;
+  for (int gamma : {1, 6}) {
+    options.gamma = gamma;
+    const auto spec = speculative_generate(*target_, source, prompts, options);
+    long accepted = 0;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      EXPECT_EQ(spec[i].tokens, plain[i].tokens) << "prompt " << i << " gamma " << gamma;
+      accepted += spec[i].stats.accepted;
+    }
+    std::printf("[ %s ] gamma %d: %ld drafted tokens accepted\n", GetParam().c_str(), gamma, accepted);
+  }
+  // Sampled: runs to the requested length with q from the GPU drafter.
+  options.sampling = {0.8f, 20, 0.95f};
+  options.seed = 7;
+  for (const auto& result : speculative_generate(*target_, source, prompts, options))
+    EXPECT_EQ(result.tokens.size(), 24u);
+}
+
+TEST_P(CudaDrafting, LoadDraftSourcePicksTheGpuDrafterForACudaTarget) {
+  testing::TemporaryDirectory directory;
+  save_drafter(drafter_, directory.path);
+  LoadedDraftSource loaded = load_draft_source(directory.path.string(), golden_model("qwen3"), *target_, 0.0f);
+  EXPECT_NE(dynamic_cast<CudaDSparkSource*>(loaded.source.get()), nullptr);
+  EXPECT_TRUE(loaded.head == nullptr) << "the host copy of the target's head is not loaded for GPU drafting";
+  CpuTarget cpu_target(*host_);
+  LoadedDraftSource on_cpu = load_draft_source(directory.path.string(), golden_model("qwen3"), cpu_target, 0.0f);
+  EXPECT_EQ(dynamic_cast<CudaDSparkSource*>(on_cpu.source.get()), nullptr);
+}
+
+INSTANTIATE_TEST_SUITE_P(Heads, CudaDrafting, ::testing::Values("markov", "rnn", "gru"));
+
+}  // namespace
+}  // namespace dspark
