@@ -110,32 +110,6 @@ TEST(CudaOps, MatmulMatchesCpu) {
   }
 }
 
-// Speculative greedy output equals plain output only if a row's result does
-// not depend on how many rows share its step: every row count up to 8 must
-// give each row the same bits.
-TEST(CudaOps, MatmulRowsAreBitIdenticalAcrossRowCounts) {
-  const int in = 512, out_features = 384;
-  const auto x = bf16_rounded(random_values(8 * 2 * in, 15)), weight = bf16_rounded(random_values(out_features * in, 16));
-  auto x_device = to_device_bf16(x), weight_device = to_device_bf16(weight);
-  DeviceBuffer<bf16> scratch(8 * in);
-  for (bool swiglu : {false, true}) {
-    std::vector<std::vector<float>> outputs;
-    for (int rows = 1; rows <= 8; ++rows) {
-      DeviceBuffer<float> out(rows * out_features);
-      if (swiglu)
-        cuda::swiglu_matmul_forward(out.data(), cuda::MatmulOutput::F32, x_device.data(), scratch.data(),
-                                    weight_device.data(), nullptr, rows, in, out_features, nullptr);
-      else
-        cuda::matmul_forward(out.data(), cuda::MatmulOutput::F32, x_device.data(), weight_device.data(), nullptr,
-                             rows, in, out_features, nullptr);
-      outputs.push_back(from_device(out));
-    }
-    for (int rows = 1; rows < 8; ++rows)
-      EXPECT_EQ(0, std::memcmp(outputs[rows - 1].data(), outputs[7].data(), outputs[rows - 1].size() * sizeof(float)))
-          << rows << " rows differ from the same rows of 8" << (swiglu ? " (swiglu)" : "");
-  }
-}
-
 TEST(CudaOps, SwigluMatmulMatchesCpu) {
   for (int rows : {1, 4, 16}) {  // fused into the GEMV, or swiglu then cuBLASLt
     const int in = 512, out_features = 256;
@@ -369,39 +343,6 @@ TEST_P(CudaGolden, PaddedBatchMatchesSingleSequences) {
     }
   }
   for (int sequence : sequences) cuda_->release_sequence(sequence);
-}
-
-// A verify block of k tokens must produce, row for row, the very bits that k
-// decode steps produce: across a context long enough for several attention
-// splits, for every k the speculative loop uses.
-TEST_P(CudaGolden, VerifyRowsEqualDecodeStepsBitwise) {
-  const int V = cuda_->config().vocab_size, capacity = cuda_->config().max_positions;
-  std::vector<int32_t> ids(capacity - 8);
-  Rng rng(21);
-  for (int32_t& id : ids) id = static_cast<int32_t>(rng.uniform() * (V - 1));
-  TargetRequest request;
-  request.want_logits = true;
-  TargetResult result;
-  const int prefix = capacity - 16;
-  for (int k = 1; k <= 8; ++k) {
-    const int decode_sequence = cuda_->create_sequence(capacity), verify_sequence = cuda_->create_sequence(capacity);
-    std::vector<float> decoded;
-    for (int sequence : {decode_sequence, verify_sequence}) {
-      TargetInput head{sequence, std::span(ids).first(prefix), false};
-      cuda_->forward({&head, 1}, request, result);
-    }
-    for (int i = 0; i < k; ++i) {
-      TargetInput step{decode_sequence, std::span(ids).subspan(prefix + i, 1), false};
-      cuda_->forward({&step, 1}, request, result);
-      decoded.insert(decoded.end(), result.logits.begin(), result.logits.end());
-    }
-    TargetInput block{verify_sequence, std::span(ids).subspan(prefix, k), true};
-    cuda_->forward({&block, 1}, request, result);
-    ASSERT_EQ(result.logits.size(), size_t(k) * V);
-    EXPECT_EQ(0, std::memcmp(result.logits.data(), decoded.data(), decoded.size() * sizeof(float))) << "k " << k;
-    cuda_->release_sequence(decode_sequence);
-    cuda_->release_sequence(verify_sequence);
-  }
 }
 
 TEST_P(CudaGolden, RollbackLeavesNoTrace) {

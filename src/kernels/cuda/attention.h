@@ -46,7 +46,7 @@ constexpr int kAttentionRowsPerBlock = 16;
 // KV tiles per split: split s covers positions [s, s + 1) * kSplitTiles * kBlockSize.
 // `splits` must cover the longest sequence of the step; splits past a
 // sequence's end contribute nothing.
-constexpr int kSplitTiles = 8;
+constexpr int kSplitTiles = 2;
 
 // ---- the drafter's block attention (CUDA version of
 // cpu::bidirectional_attention_forward, for a batch of B rows at once) ----

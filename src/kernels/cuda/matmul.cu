@@ -30,7 +30,8 @@ struct Plan {
 // matching 16 bytes of every activation row per step, eight steps in flight.
 // Activations are read straight from global memory (L1 serves the block's
 // other warps): staging them in shared memory first put a latency chain in
-// front of every block.
+// front of every block. cuBLASLt still wins some shapes, so each shape is
+// timed both ways once and the faster kept (see choose_gemv below).
 constexpr int kGemvMaxRows = 8;
 constexpr int kGemvWarps = 8;
 
@@ -138,6 +139,29 @@ void gemv_forward(void* out, MatmulOutput out_type, const bf16* x, const bf16* w
   }
 }
 
+// Median time of `runs` launches of `launch` on `stream`, in milliseconds.
+template <class Launch>
+float time_launches(Launch launch, cudaStream_t stream, int runs = 7) {
+  cudaEvent_t start, stop;
+  CUDA_CHECK(cudaEventCreate(&start));
+  CUDA_CHECK(cudaEventCreate(&stop));
+  launch();  // warm-up
+  std::vector<float> times;
+  for (int run = 0; run < runs; ++run) {
+    CUDA_CHECK(cudaEventRecord(start, stream));
+    launch();
+    CUDA_CHECK(cudaEventRecord(stop, stream));
+    CUDA_CHECK(cudaEventSynchronize(stop));
+    float milliseconds = 0.0f;
+    CUDA_CHECK(cudaEventElapsedTime(&milliseconds, start, stop));
+    times.push_back(milliseconds);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
 // Row-major out[rows, out] = x[rows, in] @ W[out, in]^T is, column-major,
 // out'[out, rows] = W'^T [out, in] @ x' [in, rows], with W' = W seen as an
 // [in, out] column-major matrix: A = W' transposed, B = x', C = out'.
@@ -186,6 +210,23 @@ class MatmulContext {
     plan.algorithm = result.algo;
     return plans_.emplace(key, plan).first->second;
   }
+  // Whether the GEMV beats cuBLASLt for this shape: timed once, outside any
+  // graph capture (a shape's first use), then remembered.
+  template <class Gemv, class Lt>
+  bool choose_gemv(const std::tuple<int, int, int, MatmulOutput, bool>& key, Gemv gemv, Lt lt, cudaStream_t stream) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto found = gemv_choice_.find(key);
+      if (found != gemv_choice_.end()) return found->second;
+    }
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+    DSPARK_CHECK(capturing == cudaStreamCaptureStatusNone, "matmul: shape first seen during graph capture");
+    const bool faster = time_launches(gemv, stream) < time_launches(lt, stream);
+    std::lock_guard<std::mutex> lock(mutex_);
+    gemv_choice_[key] = faster;
+    return faster;
+  }
   void run(const Plan& plan, void* out, const bf16* x, const bf16* weight, const bf16* bias, cudaStream_t stream) {
     if (bias)
       CUBLAS_CHECK(
@@ -201,6 +242,7 @@ class MatmulContext {
   void* workspace_ = nullptr;
   std::mutex mutex_;
   std::map<std::tuple<int, int, int, MatmulOutput, bool>, Plan> plans_;
+  std::map<std::tuple<int, int, int, MatmulOutput, bool>, bool> gemv_choice_;
 };
 
 MatmulContext& context() {
@@ -212,29 +254,36 @@ MatmulContext& context() {
 
 namespace {
 
-// The product: the GEMV for up to kGemvMaxRows rows, cuBLASLt above. Every
-// row count up to kGemvMaxRows takes the same kernel, whose per-row reduction
-// does not depend on how many rows it has: a decode step and a verify block of
-// up to 8 tokens compute each row's logits bit-identically, which greedy
-// speculative decoding needs to match plain decoding exactly. (cuBLASLt picks
-// a different algorithm, with a different reduction, for different M.)
+// The product, by GEMV or cuBLASLt, whichever this shape runs faster with
+// (timed once per shape). The choice can differ between row counts, and so
+// can cuBLASLt's algorithm: a row's bits may then depend on how many rows
+// share its step (docs/PERF.md, "verify invariance"). Forcing the GEMV on
+// every row count up to 8 removed that, but cost 28% of decode speed and made
+// verify blocks 2-5x dearer, so it is not done.
 // With a gate, x is first computed as act(gate_up[:, :in]) * gate_up[:, in:]
 // (into `x` itself on the cuBLASLt path, fused into the GEMV otherwise).
 void matmul(void* out, MatmulOutput out_type, Gate gate, const bf16* gate_up, bf16* x, const bf16* weight,
             const bf16* bias, int rows, int in_features, int out_features, cudaStream_t stream) {
-  if (gemv_possible(rows, in_features)) {
-    if (gate == Gate::Silu)
-      return gemv_forward<Gate::Silu>(out, out_type, gate_up, weight, bias, rows, in_features, out_features, stream);
-    if (gate == Gate::GeluTanh)
-      return gemv_forward<Gate::GeluTanh>(out, out_type, gate_up, weight, bias, rows, in_features, out_features,
-                                          stream);
-    return gemv_forward<Gate::None>(out, out_type, x, weight, bias, rows, in_features, out_features, stream);
-  }
   MatmulContext& matmul = context();
   const Plan& plan = matmul.plan(rows, in_features, out_features, out_type, bias != nullptr);
-  if (gate == Gate::Silu) swiglu_forward(x, gate_up, rows, in_features, stream);
-  if (gate == Gate::GeluTanh) gelu_tanh_gate_forward(x, gate_up, rows, in_features, stream);
-  matmul.run(plan, out, x, weight, bias, stream);
+  auto lt = [&] {
+    if (gate == Gate::Silu) swiglu_forward(x, gate_up, rows, in_features, stream);
+    if (gate == Gate::GeluTanh) gelu_tanh_gate_forward(x, gate_up, rows, in_features, stream);
+    matmul.run(plan, out, x, weight, bias, stream);
+  };
+  auto gemv = [&] {
+    if (gate == Gate::Silu)
+      gemv_forward<Gate::Silu>(out, out_type, gate_up, weight, bias, rows, in_features, out_features, stream);
+    else if (gate == Gate::GeluTanh)
+      gemv_forward<Gate::GeluTanh>(out, out_type, gate_up, weight, bias, rows, in_features, out_features, stream);
+    else
+      gemv_forward<Gate::None>(out, out_type, x, weight, bias, rows, in_features, out_features, stream);
+  };
+  const auto key = std::make_tuple(rows, in_features, out_features, out_type, bias != nullptr);
+  if (gemv_possible(rows, in_features) && matmul.choose_gemv(key, gemv, lt, stream))
+    gemv();
+  else
+    lt();
 }
 
 }  // namespace

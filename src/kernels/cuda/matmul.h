@@ -3,9 +3,8 @@
 // Shapes as on the CPU: x [rows, in], weight [out, in] (nn.Linear layout),
 // bias [out] or null, out [rows, out].
 //
-// Up to 8 rows run a weight-streaming GEMV whose per-row result does not
-// depend on the row count (decode and verify agree to the bit). Above that,
-// the cuBLASLt algorithm for each (rows, in, out, output type, bias) is chosen
+// Up to 8 rows may run a weight-streaming GEMV (where it times faster than
+// cuBLASLt). The cuBLASLt algorithm for each (rows, in, out, output type, bias) is chosen
 // once by its heuristic and cached with its descriptors, so a call inside CUDA
 // graph capture never queries the heuristic (warm each shape up first).
 #pragma once
