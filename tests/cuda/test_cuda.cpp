@@ -130,6 +130,52 @@ TEST(CudaOps, SwigluMatmulMatchesCpu) {
   }
 }
 
+TEST(CudaOps, GemvWithFourFeaturesPerWarpEqualsOneFeature) {
+  // Every row count the GEMV takes, each input kind, out_features with a
+  // partial last warp and block (1003 = 4 * 250 + 3) and one of a single
+  // block: four features per warp give exactly the one-feature bits (the same
+  // summation order), and both match the CPU.
+  const int in = 256;
+  for (auto input : {cuda::GemvInput::Plain, cuda::GemvInput::Swiglu, cuda::GemvInput::GeluTanh}) {
+    const int width = input == cuda::GemvInput::Plain ? in : 2 * in;
+    for (int rows = 1; rows <= 8; ++rows) {
+      for (int out_features : {1003, 24}) {
+        const auto x = bf16_rounded(random_values(rows * width, 110 + rows, 2.0f));
+        const auto weight = bf16_rounded(random_values(out_features * in, 111));
+        const auto bias = bf16_rounded(random_values(out_features, 112));
+        std::vector<float> activated(x), expected(rows * out_features);
+        if (input != cuda::GemvInput::Plain) {
+          activated.resize(rows * in);
+          for (int r = 0; r < rows; ++r) {
+            const float* gate = x.data() + r * width;
+            if (input == cuda::GemvInput::Swiglu)
+              cpu::swiglu_forward(activated.data() + r * in, gate, gate + in, in);
+            else
+              cpu::gelu_tanh_gate_forward(activated.data() + r * in, gate, gate + in, in);
+          }
+          activated = bf16_rounded(activated);
+        }
+        cpu::matmul_forward(expected.data(), activated.data(), weight.data(), bias.data(), rows, in, out_features);
+        auto x_device = to_device_bf16(x), weight_device = to_device_bf16(weight), bias_device = to_device_bf16(bias);
+        std::vector<std::vector<float>> results;
+        for (int features : {1, 4}) {
+          DeviceBuffer<float> out(rows * out_features);
+          cuda::gemv_matmul_forward(out.data(), cuda::MatmulOutput::F32, input, x_device.data(), weight_device.data(),
+                                    bias_device.data(), rows, in, out_features, features, nullptr);
+          results.push_back(from_device(out));
+        }
+        const std::string what = "input " + std::to_string(int(input)) + ", " + std::to_string(rows) + " x " +
+                                 std::to_string(out_features);
+        EXPECT_EQ(results[1], results[0]) << what;
+        // Plain: f32 sums of the same bf16 products; gated: an activation may round to the other bf16 neighbour.
+        EXPECT_LE(relative_error(results[0].data(), expected.data(), expected.size()),
+                  input == cuda::GemvInput::Plain ? 1e-5 : kBf16Tolerance)
+            << what;
+      }
+    }
+  }
+}
+
 TEST(CudaOps, QkvNormRopeAndCacheAppendMatchCpu) {
   const int rows = 4, heads = 4, kv_heads = 2, head_dim = 64, half = head_dim / 2;
   const int width = (heads + 2 * kv_heads) * head_dim;
