@@ -27,7 +27,6 @@
 #include "model/target.h"
 #include "model/tokenizer.h"
 #include "spec/draft_sources.h"
-#include "spec/dspark_source.h"
 #include "spec/scheduler.h"
 #include "spec/speculative.h"
 #ifdef DSPARK_CUDA
@@ -248,10 +247,11 @@ void run_bench_spec(const BenchSpecFlags& flags) {
     std::fprintf(stderr, "note: -d %s gives no confidences: alg1 verifies every proposed token\n",
                  flags.draft.c_str());
   // The drafter again without threshold pruning, for off and alg1 (its
-  // confidences still carry the STS temperatures).
+  // confidences still carry the STS temperatures); on the GPU beside a CUDA
+  // target, where source.head is null.
   std::unique_ptr<DraftSource> unpruned;
-  if (source.drafter)
-    unpruned = std::make_unique<DSparkSource>(*source.drafter, source.head->view(), 0.0f, false);
+  if (source.drafter && (scheduled("off") || scheduled("alg1")))
+    unpruned = make_dspark_source(*source.drafter, *target, source.head.get(), 0.0f, false);
   std::unique_ptr<PrefixScheduler> scheduler;
   std::string sps_note;
   if (scheduled("alg1")) {

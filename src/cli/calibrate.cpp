@@ -73,6 +73,10 @@ void run_calibrate(const CalibrateFlags& flags) {
     std::fprintf(stderr, "note: %s already has config.sts; it is refitted from raw confidences\n",
                  flags.draft.c_str());
   drafter.config.sts.reset();  // the fit needs raw confidences and unpruned drafts
+  // A source built now sees the cleared config (the GPU drafter copies it on
+  // upload); the one load_draft_source built before goes.
+  source.source.reset();
+  const std::unique_ptr<DraftSource> raw = make_dspark_source(drafter, *target, source.head.get(), 0.0f, false);
 
   CalibrationRunOptions options;
   options.max_new_tokens = flags.max_new_tokens;
@@ -80,8 +84,7 @@ void run_calibrate(const CalibrateFlags& flags) {
   options.seed = flags.seed;
   options.batch = flags.batch;
   options.gamma = flags.gamma;
-  const std::vector<CalibrationRound> rounds =
-      collect_calibration_rounds(*target, drafter, source.head->view(), prompts, options);
+  const std::vector<CalibrationRound> rounds = collect_calibration_rounds(*target, drafter, *raw, prompts, options);
   DSPARK_CHECK(!rounds.empty(), "no verify rounds were recorded (are -n and the prompts long enough?)");
 
   const StsCalibration calibration = fit_calibration(rounds, gamma, flags.target_precision);

@@ -390,9 +390,9 @@ void CudaDrafter::draft(std::span<const CudaDraftRequest> requests, const DraftO
                         std::vector<DraftResult>& results) {
   const DrafterConfig& c = config_;
   const int limit = options.max_tokens > 0 ? std::min(options.max_tokens, c.gamma) : c.gamma;
-  const std::vector<float>& thresholds = !options.thresholds.empty() ? options.thresholds
-                                         : c.sts                     ? c.sts->thresholds
-                                                                     : options.thresholds;
+  // As the CPU draft(): explicit thresholds, else config.sts's unless the caller turned them off.
+  const bool calibrated = options.thresholds.empty() && c.sts && options.calibrated_thresholds;
+  const std::vector<float>& thresholds = calibrated ? c.sts->thresholds : options.thresholds;
   DSPARK_CHECK(thresholds.empty() || thresholds.size() >= size_t(limit), "draft thresholds: ", thresholds.size(),
                " for ", limit, " positions");
   for (const CudaDraftRequest& request : requests) {

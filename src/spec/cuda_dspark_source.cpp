@@ -40,6 +40,7 @@ void CudaDSparkSource::propose(std::span<const int> rows, std::span<const int32_
   DraftOptions options;
   options.sampling = sampling;
   options.min_confidence = min_confidence_;
+  options.calibrated_thresholds = calibrated_thresholds_;
   options.max_tokens = longest;
   drafter_.draft(requests, options, results_);
   const int V = drafter_.dims().vocab_size;

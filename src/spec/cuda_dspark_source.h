@@ -13,8 +13,10 @@ namespace dspark {
 class CudaDSparkSource final : public DraftSource {
  public:
   // `head` points into the CUDA target's weights, which must outlive the source.
-  CudaDSparkSource(const Drafter& drafter, const CudaTargetHead& head, float min_confidence = 0.0f)
-      : drafter_(drafter, head), min_confidence_(min_confidence) {}
+  // `calibrated_thresholds`: as DSparkSource's (spec/dspark_source.h).
+  CudaDSparkSource(const Drafter& drafter, const CudaTargetHead& head, float min_confidence = 0.0f,
+                   bool calibrated_thresholds = true)
+      : drafter_(drafter, head), min_confidence_(min_confidence), calibrated_thresholds_(calibrated_thresholds) {}
   std::vector<int> tap_layers() const override { return drafter_.config().tap_layers; }
   void begin(int row, std::span<const int32_t> prompt, uint64_t seed) override;
   void accept(int row, std::span<const int32_t> tokens, const float* tapped_rows) override;
@@ -31,6 +33,7 @@ class CudaDSparkSource final : public DraftSource {
   };
   CudaDrafter drafter_;
   float min_confidence_;
+  bool calibrated_thresholds_;
   std::map<int, RowState> rows_;
   std::vector<DraftResult> results_;
 };

@@ -22,14 +22,24 @@ LoadedDraftSource load_draft_source(const std::string& name, const std::filesyst
   check_drafter_matches_target(*loaded.drafter, target.config(), target_id_of(target_directory));
   loaded.default_gamma = loaded.drafter->config.gamma;
 #ifdef DSPARK_CUDA
-  if (const std::optional<CudaTargetHead> head = cuda_target_head(target)) {  // the drafter runs beside it on the GPU
-    loaded.source = std::make_unique<CudaDSparkSource>(*loaded.drafter, *head, min_confidence);
-    return loaded;
-  }
+  const bool on_gpu = cuda_target_head(target).has_value();  // the drafter runs beside it on the GPU
+#else
+  const bool on_gpu = false;
 #endif
-  loaded.head = std::make_unique<TargetHeadWeights>(load_target_head(target_directory, target.config()));
-  loaded.source = std::make_unique<DSparkSource>(*loaded.drafter, loaded.head->view(), min_confidence);
+  if (!on_gpu) loaded.head = std::make_unique<TargetHeadWeights>(load_target_head(target_directory, target.config()));
+  loaded.source = make_dspark_source(*loaded.drafter, target, loaded.head.get(), min_confidence, true);
   return loaded;
+}
+
+std::unique_ptr<DraftSource> make_dspark_source(const Drafter& drafter, const Target& target,
+                                                const TargetHeadWeights* head, float min_confidence,
+                                                bool calibrated_thresholds) {
+#ifdef DSPARK_CUDA
+  if (const std::optional<CudaTargetHead> cuda_head = cuda_target_head(target))
+    return std::make_unique<CudaDSparkSource>(drafter, *cuda_head, min_confidence, calibrated_thresholds);
+#endif
+  DSPARK_CHECK(head, "a DSpark drafter on the CPU needs the target's embedding and LM head on the host");
+  return std::make_unique<DSparkSource>(drafter, head->view(), min_confidence, calibrated_thresholds);
 }
 
 }  // namespace dspark

@@ -22,4 +22,14 @@ struct LoadedDraftSource {
 LoadedDraftSource load_draft_source(const std::string& name, const std::filesystem::path& target_directory,
                                     const Target& target, float min_confidence);
 
+// Another DSpark source over a drafter already loaded for `target` (e.g. one
+// without threshold pruning beside the pruned one): on the GPU when `target`
+// is a CUDA target (it uploads its own copy of the drafter's weights, with the
+// drafter's config as it is now), else on the CPU reading `head` (required
+// then: LoadedDraftSource::head). calibrated_thresholds: prune by config.sts's
+// thresholds (the STS temperatures apply to the confidences either way).
+std::unique_ptr<DraftSource> make_dspark_source(const Drafter& drafter, const Target& target,
+                                                const TargetHeadWeights* head, float min_confidence,
+                                                bool calibrated_thresholds);
+
 }  // namespace dspark

@@ -173,7 +173,10 @@ std::vector<int> prefix_schedule(std::span<const std::vector<float>> confidences
   for (size_t r = 0; r < confidences.size(); ++r) {
     double survival = 1.0;
     for (size_t j = 0; j < confidences[r].size(); ++j) {
-      survival *= std::clamp(double(confidences[r][j]), 0.0, 1.0);  // never increases along a row
+      // Never increases along a row. A NaN confidence (a broken drafter) counts
+      // as 0: std::clamp would pass it through, and NaN breaks the sort's order.
+      const double confidence = confidences[r][j];
+      survival *= confidence > 0.0 ? std::min(confidence, 1.0) : 0.0;
       candidates.push_back({survival, int(j), int(r)});
     }
   }

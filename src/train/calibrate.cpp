@@ -9,7 +9,6 @@
 #include "core/file.h"
 #include "core/json.h"
 #include "core/progress.h"
-#include "spec/dspark_source.h"
 #include "spec/speculative.h"
 
 namespace dspark {
@@ -196,7 +195,7 @@ void write_calibration(const std::filesystem::path& drafter_directory, const Sts
   write_text_file_atomic(path, metadata.dump(2) + "\n");
 }
 
-std::vector<CalibrationRound> collect_calibration_rounds(Target& target, const Drafter& drafter, const TargetHead& head,
+std::vector<CalibrationRound> collect_calibration_rounds(Target& target, const Drafter& drafter, DraftSource& source,
                                                          std::span<const std::vector<int32_t>> prompts,
                                                          const CalibrationRunOptions& options) {
   DSPARK_CHECK(!drafter.config.sts, "calibration needs the drafter's raw confidences: clear config.sts first");
@@ -204,7 +203,6 @@ std::vector<CalibrationRound> collect_calibration_rounds(Target& target, const D
   const int gamma = options.gamma > 0 ? options.gamma : drafter.config.gamma;
   DSPARK_CHECK(gamma <= drafter.config.gamma, "calibration gamma ", gamma, " exceeds the drafter's ",
                drafter.config.gamma);
-  DSparkSource source(drafter, head);  // no thresholds, no floor: every position drafted
   SpeculativeOptions spec;
   spec.max_new_tokens = options.max_new_tokens;
   spec.sampling = options.sampling;

@@ -33,6 +33,7 @@
 #include "kernels/cpu/sampling.h"
 #include "model/target.h"
 #include "spec/draft.h"
+#include "spec/draft_source.h"
 #include "spec/drafter.h"
 
 namespace dspark {
@@ -104,7 +105,10 @@ struct CalibrationRunOptions {
 
 // Unpruned speculative decoding of `prompts` with `drafter` (which must carry
 // no config.sts: the fit needs raw confidences), every round recorded.
-std::vector<CalibrationRound> collect_calibration_rounds(Target& target, const Drafter& drafter, const TargetHead& head,
+// `source` drafts with it: a DSpark source built after config.sts was cleared,
+// with no confidence floor (spec/draft_sources.h: make_dspark_source, on the
+// CPU or beside a CUDA target).
+std::vector<CalibrationRound> collect_calibration_rounds(Target& target, const Drafter& drafter, DraftSource& source,
                                                          std::span<const std::vector<int32_t>> prompts,
                                                          const CalibrationRunOptions& options);
 

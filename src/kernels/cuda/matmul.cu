@@ -19,6 +19,21 @@ namespace {
 
 constexpr size_t kWorkspaceBytes = 32u << 20;
 
+// How one shape runs (MatmulContext::choose): cuBLASLt, or the GEMV with 1
+// or 4 output features per warp. A gated GEMV either computes act(gate) * up
+// itself for every output feature it owns (fused: one launch) or reads it from
+// the activation kernel's output (unfused: computed once; wins where the gated
+// input is wide and the output narrow, as in the drafter's down projection,
+// 4096 -> 1024 at 7 rows: 1024 warps each evaluating 7 x 4096 gelu_tanh).
+struct MatmulPath {
+  bool gemv = false;
+  int features_per_warp = 1;
+  bool fused = true;
+};
+
+// (rows, in, out, output type, bias, gate): a shape's choice of MatmulPath.
+using PathKey = std::tuple<int, int, int, MatmulOutput, bool, int>;
+
 struct Plan {
   cublasLtMatmulDesc_t operation = nullptr;
   cublasLtMatrixLayout_t weight_layout = nullptr, x_layout = nullptr, out_layout = nullptr;
@@ -31,7 +46,7 @@ struct Plan {
 // Activations are read straight from global memory (L1 serves the block's
 // other warps): staging them in shared memory first put a latency chain in
 // front of every block. cuBLASLt still wins some shapes, so each shape is
-// timed both ways once and the faster kept (see choose_gemv below).
+// timed every way once and the fastest kept (MatmulContext::choose below).
 constexpr int kGemvMaxRows = 8;
 constexpr int kGemvWarps = 8;
 
@@ -46,23 +61,37 @@ __device__ __forceinline__ float gated(float gate, float up) {
 
 // A gated GATE: x is [ROWS, 2 * in] gate|up and the input is act(gate) * up,
 // so the down projection needs no separate activation kernel.
-template <int ROWS, Gate GATE>
+//
+// FEATURES output features per warp: each activation load (and, gated, each
+// act(gate) * up) then serves FEATURES weight rows instead of one. With many
+// rows the one-feature GEMV spends its time re-reading the activations from
+// L1, ROWS times the bytes of the weight stream (the drafter's LM head: 7 block
+// rows x 151936 features, 654 us for 1.2 GB of weights at batch 1); four
+// features cut that to a quarter. A feature's sum is accumulated in the same
+// order either way (lane by lane over k, then the warp sum).
+template <int ROWS, int FEATURES, Gate GATE>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     gemv_kernel(void* out, bool out_f32, const bf16* x, const bf16* weight, const bf16* bias, int in,
                 int out_features) {
   constexpr bool kGated = GATE != Gate::None;
   const int lane = threadIdx.x & 31;
-  const int feature = blockIdx.x * kGemvWarps + (threadIdx.x >> 5);
-  const bf16* row = weight + static_cast<long>(feature) * in;
-  if (feature >= out_features) return;
+  const int first_feature = (blockIdx.x * kGemvWarps + (threadIdx.x >> 5)) * FEATURES;
+  if (first_feature >= out_features) return;
+  const int features = min(FEATURES, out_features - first_feature);  // the same for the whole warp
+  const bf16* rows = weight + static_cast<long>(first_feature) * in;
   const long x_stride = kGated ? 2L * in : in;
-  float sums[ROWS] = {};
-#pragma unroll 8
+  float sums[ROWS][FEATURES] = {};
+#pragma unroll(FEATURES == 1 ? 8 : 2)
   for (int k = lane * 8; k < in; k += 32 * 8) {
-    const uint4 packed = __ldcs(reinterpret_cast<const uint4*>(row + k));  // streamed once: keep it out of L1
-    const __nv_bfloat162* w = reinterpret_cast<const __nv_bfloat162*>(&packed);
+    uint4 packed[FEATURES];
+#pragma unroll
+    for (int f = 0; f < FEATURES; ++f)  // streamed once: keep it out of L1
+      packed[f] = FEATURES == 1 || f < features
+                      ? __ldcs(reinterpret_cast<const uint4*>(rows + static_cast<long>(f) * in + k))
+                      : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
+      float2 input[4];
       const uint4 activation = __ldg(reinterpret_cast<const uint4*>(x + r * x_stride + k));
       const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&activation);
       if constexpr (kGated) {
@@ -70,40 +99,50 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
         const __nv_bfloat162* u = reinterpret_cast<const __nv_bfloat162*>(&up_packed);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const float2 wf = __bfloat1622float2(w[j]), gf = __bfloat1622float2(a[j]), uf = __bfloat1622float2(u[j]);
+          const float2 gf = __bfloat1622float2(a[j]), uf = __bfloat1622float2(u[j]);
           // rounded to bf16 as the unfused path's activation buffer is
-          const float2 af =
-              __bfloat1622float2(__floats2bfloat162_rn(gated<GATE>(gf.x, uf.x), gated<GATE>(gf.y, uf.y)));
-          sums[r] += wf.x * af.x + wf.y * af.y;
+          input[j] = __bfloat1622float2(__floats2bfloat162_rn(gated<GATE>(gf.x, uf.x), gated<GATE>(gf.y, uf.y)));
         }
       } else {
 #pragma unroll
+        for (int j = 0; j < 4; ++j) input[j] = __bfloat1622float2(a[j]);
+      }
+#pragma unroll
+      for (int f = 0; f < FEATURES; ++f) {
+        const __nv_bfloat162* w = reinterpret_cast<const __nv_bfloat162*>(&packed[f]);
+#pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const float2 wf = __bfloat1622float2(w[j]), af = __bfloat1622float2(a[j]);
-          sums[r] += wf.x * af.x + wf.y * af.y;
+          const float2 wf = __bfloat1622float2(w[j]);
+          sums[r][f] += wf.x * input[j].x + wf.y * input[j].y;
         }
       }
     }
   }
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    float total = warp_sum(sums[r]);
-    if (lane == 0) {
-      if (bias) total += __bfloat162float(bias[feature]);
-      const long index = static_cast<long>(r) * out_features + feature;
-      if (out_f32)
-        static_cast<float*>(out)[index] = total;
-      else
-        static_cast<bf16*>(out)[index] = __float2bfloat16(total);
+  for (int f = 0; f < FEATURES; ++f) {
+    if (f >= features) break;  // uniform across the warp: the shuffles below stay converged
+    const int feature = first_feature + f;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      float total = warp_sum(sums[r][f]);
+      if (lane == 0) {
+        if (bias) total += __bfloat162float(bias[feature]);
+        const long index = static_cast<long>(r) * out_features + feature;
+        if (out_f32)
+          static_cast<float*>(out)[index] = total;
+        else
+          static_cast<bf16*>(out)[index] = __float2bfloat16(total);
+      }
     }
   }
 }
 
-template <int ROWS, Gate GATE>
+template <int ROWS, int FEATURES, Gate GATE>
 void launch_gemv(void* out, bool out_f32, const bf16* x, const bf16* weight, const bf16* bias, int in, int out_features,
                  cudaStream_t stream) {
-  const int blocks = ceil_div(out_features, kGemvWarps);
-  gemv_kernel<ROWS, GATE><<<blocks, kGemvWarps * 32, 0, stream>>>(out, out_f32, x, weight, bias, in, out_features);
+  const int blocks = ceil_div(out_features, kGemvWarps * FEATURES);
+  gemv_kernel<ROWS, FEATURES, GATE>
+      <<<blocks, kGemvWarps * 32, 0, stream>>>(out, out_f32, x, weight, bias, in, out_features);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -115,27 +154,37 @@ bool gemv_possible(int rows, int in) {
   return enabled && rows <= kGemvMaxRows && in % 8 == 0;
 }
 
+template <int ROWS, Gate GATE>
+void launch_gemv(void* out, bool out_f32, const bf16* x, const bf16* weight, const bf16* bias, int in, int out_features,
+                 int features_per_warp, cudaStream_t stream) {
+  if (features_per_warp == 4)
+    launch_gemv<ROWS, 4, GATE>(out, out_f32, x, weight, bias, in, out_features, stream);
+  else
+    launch_gemv<ROWS, 1, GATE>(out, out_f32, x, weight, bias, in, out_features, stream);
+}
+
 template <Gate GATE>
 void gemv_forward(void* out, MatmulOutput out_type, const bf16* x, const bf16* weight, const bf16* bias, int rows,
-                  int in, int out_features, cudaStream_t stream) {
+                  int in, int out_features, int features_per_warp, cudaStream_t stream) {
   const bool f32 = out_type == MatmulOutput::F32;
+  const int f = features_per_warp;
   switch (rows) {
     case 1:
-      return launch_gemv<1, GATE>(out, f32, x, weight, bias, in, out_features, stream);
+      return launch_gemv<1, GATE>(out, f32, x, weight, bias, in, out_features, f, stream);
     case 2:
-      return launch_gemv<2, GATE>(out, f32, x, weight, bias, in, out_features, stream);
+      return launch_gemv<2, GATE>(out, f32, x, weight, bias, in, out_features, f, stream);
     case 3:
-      return launch_gemv<3, GATE>(out, f32, x, weight, bias, in, out_features, stream);
+      return launch_gemv<3, GATE>(out, f32, x, weight, bias, in, out_features, f, stream);
     case 4:
-      return launch_gemv<4, GATE>(out, f32, x, weight, bias, in, out_features, stream);
+      return launch_gemv<4, GATE>(out, f32, x, weight, bias, in, out_features, f, stream);
     case 5:
-      return launch_gemv<5, GATE>(out, f32, x, weight, bias, in, out_features, stream);
+      return launch_gemv<5, GATE>(out, f32, x, weight, bias, in, out_features, f, stream);
     case 6:
-      return launch_gemv<6, GATE>(out, f32, x, weight, bias, in, out_features, stream);
+      return launch_gemv<6, GATE>(out, f32, x, weight, bias, in, out_features, f, stream);
     case 7:
-      return launch_gemv<7, GATE>(out, f32, x, weight, bias, in, out_features, stream);
+      return launch_gemv<7, GATE>(out, f32, x, weight, bias, in, out_features, f, stream);
     default:
-      return launch_gemv<8, GATE>(out, f32, x, weight, bias, in, out_features, stream);
+      return launch_gemv<8, GATE>(out, f32, x, weight, bias, in, out_features, f, stream);
   }
 }
 
@@ -210,22 +259,32 @@ class MatmulContext {
     plan.algorithm = result.algo;
     return plans_.emplace(key, plan).first->second;
   }
-  // Whether the GEMV beats cuBLASLt for this shape: timed once, outside any
-  // graph capture (a shape's first use), then remembered.
-  template <class Gemv, class Lt>
-  bool choose_gemv(const std::tuple<int, int, int, MatmulOutput, bool>& key, Gemv gemv, Lt lt, cudaStream_t stream) {
+  // The MatmulPath that runs this shape fastest: every candidate timed once,
+  // outside any graph capture (a shape's first use), then remembered.
+  // run(path) computes the product along `path`.
+  template <class Run>
+  MatmulPath choose(const PathKey& key, bool gated, Run run, cudaStream_t stream) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      auto found = gemv_choice_.find(key);
-      if (found != gemv_choice_.end()) return found->second;
+      auto found = choices_.find(key);
+      if (found != choices_.end()) return found->second;
     }
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
     DSPARK_CHECK(capturing == cudaStreamCaptureStatusNone, "matmul: shape first seen during graph capture");
-    const bool faster = time_launches(gemv, stream) < time_launches(lt, stream);
+    MatmulPath chosen;  // cuBLASLt
+    float best = time_launches([&] { run(chosen); }, stream);
+    for (bool fused : {true, false}) {
+      if (!fused && !gated) continue;  // without a gate the two are the same
+      for (int features : {1, 4}) {
+        const MatmulPath path{true, features, fused};
+        const float time = time_launches([&] { run(path); }, stream);
+        if (time < best) best = time, chosen = path;
+      }
+    }
     std::lock_guard<std::mutex> lock(mutex_);
-    gemv_choice_[key] = faster;
-    return faster;
+    choices_[key] = chosen;
+    return chosen;
   }
   void run(const Plan& plan, void* out, const bf16* x, const bf16* weight, const bf16* bias, cudaStream_t stream) {
     if (bias)
@@ -242,7 +301,7 @@ class MatmulContext {
   void* workspace_ = nullptr;
   std::mutex mutex_;
   std::map<std::tuple<int, int, int, MatmulOutput, bool>, Plan> plans_;
-  std::map<std::tuple<int, int, int, MatmulOutput, bool>, bool> gemv_choice_;
+  std::map<PathKey, MatmulPath> choices_;
 };
 
 MatmulContext& context() {
@@ -254,36 +313,51 @@ MatmulContext& context() {
 
 namespace {
 
+void gemv_path(void* out, MatmulOutput out_type, Gate gate, const bf16* x, const bf16* weight, const bf16* bias,
+               int rows, int in_features, int out_features, int features_per_warp, cudaStream_t stream) {
+  if (gate == Gate::Silu)
+    gemv_forward<Gate::Silu>(out, out_type, x, weight, bias, rows, in_features, out_features, features_per_warp,
+                             stream);
+  else if (gate == Gate::GeluTanh)
+    gemv_forward<Gate::GeluTanh>(out, out_type, x, weight, bias, rows, in_features, out_features, features_per_warp,
+                                 stream);
+  else
+    gemv_forward<Gate::None>(out, out_type, x, weight, bias, rows, in_features, out_features, features_per_warp,
+                             stream);
+}
+
 // The product, by GEMV or cuBLASLt, whichever this shape runs faster with
 // (timed once per shape). The choice can differ between row counts, and so
 // can cuBLASLt's algorithm: a row's bits may then depend on how many rows
 // share its step (docs/PERF.md, "verify invariance"). Forcing the GEMV on
 // every row count up to 8 removed that, but cost 28% of decode speed and made
 // verify blocks 2-5x dearer, so it is not done.
-// With a gate, x is first computed as act(gate_up[:, :in]) * gate_up[:, in:]
-// (into `x` itself on the cuBLASLt path, fused into the GEMV otherwise).
+// With a gate, x is act(gate_up[:, :in]) * gate_up[:, in:]: computed into `x`
+// itself by the activation kernel (cuBLASLt, unfused GEMV), or inside the
+// fused GEMV.
 void matmul(void* out, MatmulOutput out_type, Gate gate, const bf16* gate_up, bf16* x, const bf16* weight,
             const bf16* bias, int rows, int in_features, int out_features, cudaStream_t stream) {
   MatmulContext& matmul = context();
   const Plan& plan = matmul.plan(rows, in_features, out_features, out_type, bias != nullptr);
-  auto lt = [&] {
+  auto activate = [&] {
     if (gate == Gate::Silu) swiglu_forward(x, gate_up, rows, in_features, stream);
     if (gate == Gate::GeluTanh) gelu_tanh_gate_forward(x, gate_up, rows, in_features, stream);
-    matmul.run(plan, out, x, weight, bias, stream);
   };
-  auto gemv = [&] {
-    if (gate == Gate::Silu)
-      gemv_forward<Gate::Silu>(out, out_type, gate_up, weight, bias, rows, in_features, out_features, stream);
-    else if (gate == Gate::GeluTanh)
-      gemv_forward<Gate::GeluTanh>(out, out_type, gate_up, weight, bias, rows, in_features, out_features, stream);
-    else
-      gemv_forward<Gate::None>(out, out_type, x, weight, bias, rows, in_features, out_features, stream);
+  auto run = [&](const MatmulPath& path) {
+    if (!path.gemv) {
+      activate();
+      matmul.run(plan, out, x, weight, bias, stream);
+    } else if (path.fused) {
+      gemv_path(out, out_type, gate, gate == Gate::None ? x : gate_up, weight, bias, rows, in_features, out_features,
+                path.features_per_warp, stream);
+    } else {
+      activate();
+      gemv_path(out, out_type, Gate::None, x, weight, bias, rows, in_features, out_features, path.features_per_warp,
+                stream);
+    }
   };
-  const auto key = std::make_tuple(rows, in_features, out_features, out_type, bias != nullptr);
-  if (gemv_possible(rows, in_features) && matmul.choose_gemv(key, gemv, lt, stream))
-    gemv();
-  else
-    lt();
+  const PathKey key{rows, in_features, out_features, out_type, bias != nullptr, static_cast<int>(gate)};
+  run(gemv_possible(rows, in_features) ? matmul.choose(key, gate != Gate::None, run, stream) : MatmulPath{});
 }
 
 }  // namespace
@@ -474,4 +548,15 @@ void gelu_tanh_gate_matmul_forward(void* out, MatmulOutput out_type, const bf16*
                                    cudaStream_t stream) {
   matmul(out, out_type, Gate::GeluTanh, gate_up, activated, weight, bias, rows, in_features, out_features, stream);
 }
+void gemv_matmul_forward(void* out, MatmulOutput out_type, GemvInput input, const bf16* x, const bf16* weight,
+                         const bf16* bias, int rows, int in_features, int out_features, int features_per_warp,
+                         cudaStream_t stream) {
+  DSPARK_CHECK(rows >= 1 && rows <= kGemvMaxRows && in_features % 8 == 0, "the GEMV takes 1..", kGemvMaxRows,
+               " rows and a multiple of 8 input features, not ", rows, " x ", in_features);
+  DSPARK_CHECK(features_per_warp == 1 || features_per_warp == 4, "the GEMV runs 1 or 4 features per warp, not ",
+               features_per_warp);
+  const Gate gate = input == GemvInput::Swiglu ? Gate::Silu : input == GemvInput::GeluTanh ? Gate::GeluTanh : Gate::None;
+  gemv_path(out, out_type, gate, x, weight, bias, rows, in_features, out_features, features_per_warp, stream);
+}
+
 }  // namespace dspark::cuda

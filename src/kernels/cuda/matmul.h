@@ -3,8 +3,10 @@
 // Shapes as on the CPU: x [rows, in], weight [out, in] (nn.Linear layout),
 // bias [out] or null, out [rows, out].
 //
-// Up to 8 rows may run a weight-streaming GEMV (where it times faster than
-// cuBLASLt). The cuBLASLt algorithm for each (rows, in, out, output type, bias) is chosen
+// Up to 8 rows may run a weight-streaming GEMV where it times faster than
+// cuBLASLt (one or four output features per warp; a gated input computed
+// inside the GEMV or by the activation kernel first: whichever is fastest).
+// The cuBLASLt algorithm for each (rows, in, out, output type, bias) is chosen
 // once by its heuristic and cached with its descriptors, so a call inside CUDA
 // graph capture never queries the heuristic (warm each shape up first).
 #pragma once
@@ -32,6 +34,16 @@ void swiglu_matmul_forward(void* out, MatmulOutput out_type, const __nv_bfloat16
 void gelu_tanh_gate_matmul_forward(void* out, MatmulOutput out_type, const __nv_bfloat16* gate_up,
                                    __nv_bfloat16* activated, const __nv_bfloat16* weight, const __nv_bfloat16* bias,
                                    int rows, int in_features, int out_features, cudaStream_t stream);
+
+// The weight-streaming GEMV alone (1..8 rows, in_features a multiple of 8),
+// with 1 or 4 output features per warp: the products above time both against
+// cuBLASLt on a shape's first use and keep the fastest; tests hold each to
+// the CPU. The input is x [rows, in], or act(gate) * up of x = gate|up
+// [rows, 2 * in] (rounded to bf16, as the unfused activation buffer is).
+enum class GemvInput { Plain, Swiglu, GeluTanh };
+void gemv_matmul_forward(void* out, MatmulOutput out_type, GemvInput input, const __nv_bfloat16* x,
+                         const __nv_bfloat16* weight, const __nv_bfloat16* bias, int rows, int in_features,
+                         int out_features, int features_per_warp, cudaStream_t stream);
 
 // out [rows, out] = x [rows, in] @ weight (+ bias [out]) with weight stored
 // [in, out] (the drafter's layout: CUDA version of cpu::matmul_in_out_forward),
