@@ -59,9 +59,10 @@ DrafterTensors<T> resolve(const DrafterConfig& config, const std::map<std::strin
   return t;
 }
 
-void check_batch(const Drafter& drafter, const TrainBatch& batch) {
-  const DrafterConfig& c = drafter.config;
-  const int A = batch.size(), gamma = c.gamma, V = drafter.dims.vocab_size, H = drafter.dims.hidden_size;
+}  // namespace
+
+void check_train_batch(const DrafterConfig& c, const TargetDims& dims, const TrainBatch& batch) {
+  const int A = batch.size(), gamma = c.gamma, V = dims.vocab_size, H = dims.hidden_size;
   const long width = long(c.tap_layers.size()) * H;
   DSPARK_CHECK(A >= 1, "train batch has no anchors");
   DSPARK_CHECK(batch.gamma == gamma, "train batch: gamma ", batch.gamma, " but the drafter drafts ", gamma);
@@ -81,8 +82,6 @@ void check_batch(const Drafter& drafter, const TrainBatch& batch) {
   for (int32_t id : batch.targets) DSPARK_CHECK(id >= 0 && id < V, "train batch: target ", id, " outside vocab ", V);
 }
 
-}  // namespace
-
 Gradients zero_gradients(const Drafter& drafter) {
   Gradients gradients;
   for (const std::string& name : drafter.names) gradients[name] = Tensor::zeros(drafter.parameter(name).shape);
@@ -91,7 +90,7 @@ Gradients zero_gradients(const Drafter& drafter) {
 
 void drafter_training_forward(const Drafter& drafter, const TargetHead& head, const TrainBatch& batch,
                               DrafterActivations& act) {
-  check_batch(drafter, batch);
+  check_train_batch(drafter.config, drafter.dims, batch);
   const DrafterConfig& c = drafter.config;
   const int A = batch.size(), gamma = c.gamma, d = c.d_draft, inner = c.ff_mult * d, r = c.markov_rank;
   const int H = drafter.dims.hidden_size, V = drafter.dims.vocab_size, width = batch.tap_width;
