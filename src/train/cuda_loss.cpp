@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <thread>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -39,6 +40,19 @@ std::vector<uint16_t> to_bf16_bits(const float* values, size_t count) {
 }
 
 std::string layer_name(int layer, const char* tensor) { return "bb." + std::to_string(layer) + "." + tensor; }
+
+// body(begin, end) over [0, count) in contiguous slices on up to 8 threads when
+// the work is large (a batch's context rows: hundreds of MB at 8B shapes).
+template <class Body>
+void parallel_slices(long count, long serial_below, const Body& body) {
+  const long threads = std::min<long>(8, std::max(1u, std::thread::hardware_concurrency()));
+  if (count < serial_below || threads == 1) return body(0L, count);
+  std::vector<std::thread> workers;
+  const long slice = (count + threads - 1) / threads;
+  for (long begin = 0; begin < count; begin += slice)
+    workers.emplace_back([&body, begin, end = std::min(count, begin + slice)] { body(begin, end); });
+  for (std::thread& worker : workers) worker.join();
+}
 
 }  // namespace
 
@@ -224,7 +238,8 @@ void CudaDrafterLoss::upload(const TrainBatch& batch, ContextUpload context) {
   const int C = batch.context_offsets[A];
   anchors_ = A;
   context_rows_ = C;
-  context_bf16_ = context == ContextUpload::Bf16;
+  const bool given_bf16 = batch.context_rows.empty() && !batch.context_rows_bf16.empty();
+  context_bf16_ = given_bf16 || context == ContextUpload::Bf16;
 
   // Head order (row k·A + a): targets, previous tokens (teacher forcing), masks, target rows.
   std::vector<int32_t> targets(R), previous(R);
@@ -276,11 +291,23 @@ void CudaDrafterLoss::upload(const TrainBatch& batch, ContextUpload context) {
   CUDA_CHECK(cudaEventSynchronize(uploaded_));  // the previous batch has left the staging buffer
   if (staging_.size() < size_t(bytes)) staging_.resize(bytes);
   unsigned char* host = staging_.data();
-  if (context_bf16_) {
+  constexpr long kSerialBelow = 1L << 22;  // values
+  if (given_bf16) {
+    const uint16_t* in = batch.context_rows_bf16.data();
     uint16_t* out = reinterpret_cast<uint16_t*>(host + off_context_);
-    for (long i = 0; i < context_values; ++i) out[i] = f32_to_bf16(batch.context_rows[i]);
+    parallel_slices(context_values, kSerialBelow,
+                    [&](long begin, long end) { std::memcpy(out + begin, in + begin, (end - begin) * 2); });
+  } else if (context_bf16_) {
+    const float* in = batch.context_rows.data();
+    uint16_t* out = reinterpret_cast<uint16_t*>(host + off_context_);
+    parallel_slices(context_values, kSerialBelow, [&](long begin, long end) {
+      for (long i = begin; i < end; ++i) out[i] = f32_to_bf16(in[i]);
+    });
   } else {
-    std::memcpy(host + off_context_, batch.context_rows.data(), context_values * 4);
+    const float* in = batch.context_rows.data();
+    float* out = reinterpret_cast<float*>(host + off_context_);
+    parallel_slices(context_values, kSerialBelow,
+                    [&](long begin, long end) { std::memcpy(out + begin, in + begin, (end - begin) * 4); });
   }
   float* target_rows = reinterpret_cast<float*>(host + off_target_rows_);
   for (int a = 0; a < A; ++a)

@@ -100,9 +100,11 @@ struct CudaParameterLayout {
   void unpack(const std::vector<float>& flat, std::map<std::string, Tensor>& tensors) const;
 };
 
-// How the batch's context rows travel: F32 as they are; Bf16 halves the
+// How a batch's f32 context rows travel: F32 as they are; Bf16 halves the
 // largest transfer of a step and is exact when every value is a bf16 value
-// (as regenerated data's are: they are stored in bf16).
+// (as regenerated data's are: they are stored in bf16). Rows given in bf16
+// (TrainBatch::context_rows_bf16, as the trainer builds them for the GPU)
+// travel as they are.
 enum class ContextUpload { F32, Bf16 };
 
 class CudaDrafterLoss {

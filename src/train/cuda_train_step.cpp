@@ -15,22 +15,21 @@ namespace {
 
 class CudaTrainStep : public TrainStep {
  public:
-  CudaTrainStep(const Drafter& drafter, const TargetHead& head, const AdamW& optimizer, bool context_is_bf16)
+  CudaTrainStep(const Drafter& drafter, const TargetHead& head, const AdamW& optimizer)
       : head_(head, drafter.dims, precision_.bf16_head),
         loss_(drafter, head_, precision_),
-        optimizer_(loss_.layout(), optimizer.options(), loss_.stream()),
-        context_(context_is_bf16 ? ContextUpload::Bf16 : ContextUpload::F32) {
+        optimizer_(loss_.layout(), optimizer.options(), loss_.stream()) {
     optimizer_.restore(optimizer.steps(), optimizer.first_moments(), optimizer.second_moments());
   }
 
   LossTerms evaluate(const TrainBatch& batch, const LossWeights& weights) override {
-    loss_.upload(batch, context_);
+    loss_.upload(batch);
     return loss_.compute(weights, false);
   }
 
   Result train(const TrainBatch& batch, const LossWeights& weights, double clip_norm,
                double learning_rate) override {
-    loss_.upload(batch, context_);
+    loss_.upload(batch);
     loss_.zero_gradients();
     loss_.launch(weights, true);
     optimizer_.step(loss_.parameters(), loss_.gradients(), learning_rate, clip_norm, loss_.device_terms());
@@ -59,15 +58,14 @@ class CudaTrainStep : public TrainStep {
   CudaTrainHead head_;
   CudaDrafterLoss loss_;
   CudaAdamW optimizer_;
-  ContextUpload context_;
 };
 
 }  // namespace
 
 std::unique_ptr<TrainStep> make_cuda_train_step(const Drafter& drafter, const TargetHead& head,
-                                                const AdamW& optimizer, bool context_is_bf16) {
+                                                const AdamW& optimizer) {
   DSPARK_CHECK(cuda::device_count() > 0, "--device cuda: no CUDA GPU is visible");
-  return std::make_unique<CudaTrainStep>(drafter, head, optimizer, context_is_bf16);
+  return std::make_unique<CudaTrainStep>(drafter, head, optimizer);
 }
 
 }  // namespace dspark

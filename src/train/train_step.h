@@ -46,10 +46,9 @@ std::unique_ptr<TrainStep> make_cpu_train_step(Drafter& drafter, const TargetHea
 
 // The CUDA step (CUDA builds only): uploads `head` (bf16) and the drafter's
 // weights, and the step count and moments of `optimizer` (a resumed run's).
-// Its decayed tensors are drafter_parameter_decays's. context_is_bf16: every
-// batch's context rows are bf16 values (regenerated data), so they travel as
-// bf16, exactly.
+// Its decayed tensors are drafter_parameter_decays's. Batches may carry their
+// context rows in bf16 (TrainBatch::context_rows_bf16) or f32.
 std::unique_ptr<TrainStep> make_cuda_train_step(const Drafter& drafter, const TargetHead& head,
-                                                const AdamW& optimizer, bool context_is_bf16);
+                                                const AdamW& optimizer);
 
 }  // namespace dspark

@@ -73,12 +73,13 @@ std::vector<Anchor> evaluation_anchors(const Dataset& data, const std::vector<in
 // `loss` evaluates one batch (TrainStep::evaluate, or drafter_loss on the host).
 EvalResult evaluate(const std::function<LossTerms(const TrainBatch&)>& loss, const DrafterConfig& config,
                     const Dataset& data, std::span<const Anchor> anchors, const TrainOptions& options,
-                    TrainBatch& batch) {
+                    TrainBatch& batch, bool bf16_context_rows) {
   EvalResult result;
   double weight_total = 0.0;
   for (size_t first = 0; first < anchors.size(); first += options.batch) {
     const size_t count = std::min<size_t>(options.batch, anchors.size() - first);
-    build_train_batch(data, anchors.subspan(first, count), config.gamma, options.max_context, batch);
+    build_train_batch(data, anchors.subspan(first, count), config.gamma, options.max_context, batch,
+                      bf16_context_rows);
     const LossTerms terms = loss(batch);
     const double weight = position_weight(batch, options.loss);
     result.terms.loss += terms.loss * weight;
@@ -196,7 +197,7 @@ std::unique_ptr<TrainStep> make_train_step(Drafter& drafter, const TargetHead& h
   if (options.device == "cpu") return make_cpu_train_step(drafter, head, &optimizer);
   DSPARK_CHECK(options.device == "cuda", "unknown training device \"", options.device, "\" (cpu or cuda)");
 #ifdef DSPARK_CUDA
-  return make_cuda_train_step(drafter, head, optimizer, true);  // the data's rows are stored in bf16
+  return make_cuda_train_step(drafter, head, optimizer);
 #else
   fail("--device cuda: this build has no CUDA support (nvcc was not found at build time)");
 #endif
@@ -209,7 +210,7 @@ EvalResult evaluate_drafter(const Drafter& drafter, const TargetHead& head, cons
   TrainBatch batch;
   LossWorkspace workspace;
   auto loss = [&](const TrainBatch& b) { return drafter_loss(drafter, head, b, options.loss, nullptr, workspace); };
-  return evaluate(loss, drafter.config, data, anchors, options, batch);
+  return evaluate(loss, drafter.config, data, anchors, options, batch, false);
 }
 
 Json train_options_to_json(const TrainOptions& o) {
@@ -323,6 +324,7 @@ TrainSummary train_drafter(Drafter& drafter, const TargetHead& head, const Datas
                  data.size());
 
   const std::unique_ptr<TrainStep> stepper = make_train_step(drafter, head, optimizer, options);
+  const bool bf16_rows = options.device == "cuda";  // the GPU takes the data's bf16 rows as they are stored
   LogWriter log(output / kTrainLogFile);
   TrainBatch batch;
   std::vector<Anchor> anchors(options.batch);
@@ -330,7 +332,7 @@ TrainSummary train_drafter(Drafter& drafter, const TargetHead& head, const Datas
   auto run_evaluation = [&](long at_step) {
     if (!summary.evaluated) return;
     const EvalResult result = evaluate([&](const TrainBatch& b) { return stepper->evaluate(b, options.loss); },
-                                       drafter.config, data, eval_anchors, options, batch);
+                                       drafter.config, data, eval_anchors, options, batch, bf16_rows);
     if (at_step == summary.start_step) summary.first_eval = result;
     summary.last_eval = result;
     Json record = terms_json(result.terms);
@@ -359,7 +361,7 @@ TrainSummary train_drafter(Drafter& drafter, const TargetHead& head, const Datas
     const auto step_start = Clock::now();
     Rng rng = step_rng(options.seed, step);
     for (Anchor& anchor : anchors) anchor = sampler.sample(rng);
-    build_train_batch(data, anchors, drafter.config.gamma, options.max_context, batch);
+    build_train_batch(data, anchors, drafter.config.gamma, options.max_context, batch, bf16_rows);
     const double learning_rate = schedule.at(step);
     const TrainStep::Result update = stepper->train(batch, options.loss, options.clip_norm, learning_rate);
     const LossTerms& terms = update.terms;

@@ -483,6 +483,12 @@ TEST(CudaTrainLoss, Bf16UploadIsExactGradientsAccumulateAndNothingTrainedGivesNo
   loss.upload(batch, ContextUpload::Bf16);
   const LossTerms bf16_upload = loss.compute(LossWeights{}, true);
   EXPECT_EQ(f32.loss, bf16_upload.loss);
+  TrainBatch bf16_rows = batch;  // as the trainer builds batches for the GPU
+  bf16_rows.context_rows_bf16.clear();
+  for (float value : batch.context_rows) bf16_rows.context_rows_bf16.push_back(f32_to_bf16(value));
+  bf16_rows.context_rows.clear();
+  loss.upload(bf16_rows);
+  EXPECT_EQ(loss.compute(LossWeights{}, false).loss, f32.loss);
   Gradients twice;
   loss.download_gradients(twice);
   for (const std::string& name : drafter.names) {
