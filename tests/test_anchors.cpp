@@ -175,6 +175,15 @@ TEST(TrainBatch, FollowsTheAnchorRulesExactly) {
       }
       EXPECT_EQ(batch.mask[a * gamma], 1.0f);  // position 0 always trains
     }
+    // The GPU's form: the same rows as the data's own bf16 bits, and no f32 copy.
+    TrainBatch bf16_batch;
+    build_train_batch(data, anchors, gamma, max_context, bf16_batch, true);
+    EXPECT_TRUE(bf16_batch.context_rows.empty());
+    ASSERT_EQ(bf16_batch.context_rows_bf16.size(), batch.context_rows.size());
+    for (size_t i = 0; i < batch.context_rows.size(); ++i)
+      ASSERT_EQ(bf16_to_f32(bf16_batch.context_rows_bf16[i]), batch.context_rows[i]) << i;
+    EXPECT_EQ(bf16_batch.context_offsets, batch.context_offsets);
+    EXPECT_EQ(bf16_batch.target_hidden, batch.target_hidden);
   }
 }
 

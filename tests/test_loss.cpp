@@ -352,6 +352,10 @@ TEST(DrafterLoss, RefusesAMismatchedBatch) {
   TrainBatch short_context = batch;
   short_context.context_rows.pop_back();
   EXPECT_NE(error(short_context).find("context floats"), std::string::npos) << error(short_context);
+  TrainBatch bf16_rows = batch;  // the GPU's form of the rows: the CPU loss asks for f32
+  bf16_rows.context_rows_bf16.assign(bf16_rows.context_rows.size(), 0);
+  bf16_rows.context_rows.clear();
+  EXPECT_NE(error(bf16_rows).find("f32 context rows"), std::string::npos) << error(bf16_rows);
 }
 
 // Against PyTorch autograd in float64 (tests/tools/make_train_golden.py).

@@ -22,6 +22,8 @@ inline void add_device_option(CLI::App& command, std::string& device) {
 void add_generate_command(CLI::App& app);
 void add_perplexity_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
+// `dspark bench train` (src/cli/bench_train.cpp), added under the bench command.
+void add_bench_train_command(CLI::App& bench);
 void add_draft_init_command(CLI::App& app);
 void add_regen_command(CLI::App& app);
 void add_train_command(CLI::App& app);

@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   dspark::cli::add_generate_command(app);
   dspark::cli::add_perplexity_command(app);
   dspark::cli::add_bench_command(app);
+  dspark::cli::add_bench_train_command(*app.get_subcommand("bench"));
   dspark::cli::add_draft_init_command(app);
   dspark::cli::add_regen_command(app);
   dspark::cli::add_train_command(app);

@@ -6,6 +6,10 @@
 
 #include "cli/commands.h"
 #include "model/config.h"
+#include "model/target.h"
+#ifdef DSPARK_CUDA
+#include "kernels/cuda/device.h"
+#endif
 #include "spec/draft.h"
 #include "spec/drafter.h"
 #include "train/dataset.h"
@@ -50,8 +54,12 @@ void check_data_matches_target(const Dataset& data, const ModelConfig& target, c
 }
 
 void run_train(TrainFlags& flags) {
-  // auto means the CPU until training runs on the GPU.
-  DSPARK_CHECK(flags.device != "cuda", "--device cuda: training on the GPU is not supported yet (use --device cpu)");
+  const std::string device = flags.device == "auto" ? default_device() : flags.device;
+#ifdef DSPARK_CUDA
+  DSPARK_CHECK(device != "cuda" || cuda::device_count() > 0, "--device cuda: no CUDA GPU is visible");
+#else
+  DSPARK_CHECK(device != "cuda", "--device cuda: this build has no CUDA support (nvcc was not found at build time)");
+#endif
   const ModelConfig target = load_model_config(flags.model);
   const std::string target_id = target_id_of(flags.model);
   const Dataset data(flags.data);
@@ -80,6 +88,7 @@ void run_train(TrainFlags& flags) {
   check_drafter_matches_target(drafter, target, target_id);
   const TargetHeadWeights head = load_target_head(flags.model, target);
 
+  options.device = device;
   interrupt_requested = 0;
   std::signal(SIGINT, on_interrupt);
   options.interrupted = [] { return interrupt_requested != 0; };
@@ -88,9 +97,9 @@ void run_train(TrainFlags& flags) {
 
   long parameters = 0;
   for (const auto& [name, tensor] : drafter.parameters) parameters += tensor.numel();
-  std::printf("%s %s: steps %ld..%ld of %ld in %.1f s (%.0f tokens/s), %.2f M parameters\n",
-              summary.finished ? "trained" : "stopped", flags.output.c_str(), summary.start_step, summary.steps,
-              options.iterations, summary.seconds, summary.positions_per_second, parameters / 1e6);
+  std::printf("%s %s on %s: steps %ld..%ld of %ld in %.1f s (%.0f tokens/s), %.2f M parameters\n",
+              summary.finished ? "trained" : "stopped", flags.output.c_str(), device.c_str(), summary.start_step,
+              summary.steps, options.iterations, summary.seconds, summary.positions_per_second, parameters / 1e6);
   const LossTerms& last = summary.last_train;
   std::printf("  last step:        loss %.4f  ce %.4f  l1 %.4f  bce %.4f  tau^ %.3f\n", last.loss, last.ce, last.l1,
               last.bce, last.tau_estimate);
@@ -118,7 +127,9 @@ void add_train_command(CLI::App& app) {
   command->add_option("--data", f.data, "data directory written by `dspark regen`")->required();
   command->add_option("-o,--output", f.output, "drafter directory to write (checkpoints, best/, log)")->required();
   command->add_flag("--resume", f.resume, "continue the run in the output directory where it stopped");
-  command->add_option("--device", f.device, "cpu (auto = cpu; cuda: not supported yet)")
+  command->add_option("--device", f.device,
+                      "cpu or cuda (the GPU: f32 weights, TF32 GEMMs, bf16 target head), or auto (cuda when a GPU "
+                      "is present)")
       ->capture_default_str()->check(CLI::IsMember({"cpu", "cuda", "auto"}));
 
   auto architecture = [&](CLI::Option* option, std::function<bool(const DrafterConfig&)> matches) {

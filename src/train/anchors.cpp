@@ -32,7 +32,7 @@ Anchor AnchorSampler::sample(Rng& rng) const {
 }
 
 void build_train_batch(const Dataset& data, std::span<const Anchor> anchors, int gamma, int max_context,
-                       TrainBatch& batch) {
+                       TrainBatch& batch, bool bf16_context_rows) {
   DSPARK_CHECK(gamma >= 1 && max_context >= 1, "a training batch needs gamma >= 1 and max context >= 1");
   const int A = static_cast<int>(anchors.size()), width = data.tap_width(), H = data.hidden_size();
   batch.gamma = gamma;
@@ -43,7 +43,9 @@ void build_train_batch(const Dataset& data, std::span<const Anchor> anchors, int
     const int t = anchors[a].position;
     batch.context_offsets[a + 1] = batch.context_offsets[a] + (t - std::max(0, t - max_context));
   }
-  batch.context_rows.resize(size_t(batch.context_offsets[A]) * width);
+  const size_t context_values = size_t(batch.context_offsets[A]) * width;
+  batch.context_rows.resize(bf16_context_rows ? 0 : context_values);
+  batch.context_rows_bf16.resize(bf16_context_rows ? context_values : 0);
   batch.anchors.resize(A);
   batch.targets.assign(size_t(A) * gamma, 0);
   batch.target_hidden.assign(size_t(A) * gamma * H, 0.0f);
@@ -56,9 +58,13 @@ void build_train_batch(const Dataset& data, std::span<const Anchor> anchors, int
     const int32_t* ids = data.ids(anchors[a].sequence);
     const uint16_t* rows = data.rows(anchors[a].sequence);
     const int first = t - batch.context_length(a);
-    convert_to_f32(Dtype::BF16, rows + size_t(first) * width,
-                   batch.context_rows.data() + size_t(batch.context_offsets[a]) * width,
-                   size_t(batch.context_length(a)) * width);
+    if (bf16_context_rows)
+      std::copy_n(rows + size_t(first) * width, size_t(batch.context_length(a)) * width,
+                  batch.context_rows_bf16.data() + size_t(batch.context_offsets[a]) * width);
+    else
+      convert_to_f32(Dtype::BF16, rows + size_t(first) * width,
+                     batch.context_rows.data() + size_t(batch.context_offsets[a]) * width,
+                     size_t(batch.context_length(a)) * width);
     batch.anchors[a] = ids[t];
     for (int k = 0; k < gamma && t + 1 + k < length; ++k) {
       batch.targets[size_t(a) * gamma + k] = ids[t + 1 + k];

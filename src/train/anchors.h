@@ -48,7 +48,9 @@ class AnchorSampler {
 };
 
 // Fills `batch` (reusing its storage) for `anchors`; max_context >= 1.
+// bf16_context_rows: the context rows go to context_rows_bf16 as stored (the
+// GPU step's form), else to context_rows in f32.
 void build_train_batch(const Dataset& data, std::span<const Anchor> anchors, int gamma, int max_context,
-                       TrainBatch& batch);
+                       TrainBatch& batch, bool bf16_context_rows = false);
 
 }  // namespace dspark

@@ -59,9 +59,10 @@ DrafterTensors<T> resolve(const DrafterConfig& config, const std::map<std::strin
   return t;
 }
 
-void check_batch(const Drafter& drafter, const TrainBatch& batch) {
-  const DrafterConfig& c = drafter.config;
-  const int A = batch.size(), gamma = c.gamma, V = drafter.dims.vocab_size, H = drafter.dims.hidden_size;
+}  // namespace
+
+void check_train_batch(const DrafterConfig& c, const TargetDims& dims, const TrainBatch& batch) {
+  const int A = batch.size(), gamma = c.gamma, V = dims.vocab_size, H = dims.hidden_size;
   const long width = long(c.tap_layers.size()) * H;
   DSPARK_CHECK(A >= 1, "train batch has no anchors");
   DSPARK_CHECK(batch.gamma == gamma, "train batch: gamma ", batch.gamma, " but the drafter drafts ", gamma);
@@ -71,17 +72,17 @@ void check_batch(const Drafter& drafter, const TrainBatch& batch) {
                "train batch: ", batch.context_offsets.size(), " context offsets for ", A, " anchors");
   for (int a = 0; a < A; ++a)
     DSPARK_CHECK(batch.context_length(a) >= 0, "train batch: anchor ", a, " has a negative context length");
-  DSPARK_CHECK(batch.context_rows.size() == size_t(batch.context_offsets[A]) * width,
-               "train batch: ", batch.context_rows.size(), " context floats for ", batch.context_offsets[A],
-               " rows of ", width);
+  const size_t context_values = size_t(batch.context_offsets[A]) * width;
+  const bool bf16 = batch.context_rows.empty() && !batch.context_rows_bf16.empty();
+  DSPARK_CHECK((bf16 ? batch.context_rows_bf16.size() : batch.context_rows.size()) == context_values,
+               "train batch: ", bf16 ? batch.context_rows_bf16.size() : batch.context_rows.size(), " context ",
+               bf16 ? "bf16 values" : "floats", " for ", batch.context_offsets[A], " rows of ", width);
   DSPARK_CHECK(batch.targets.size() == size_t(A) * gamma && batch.mask.size() == size_t(A) * gamma &&
                    batch.target_hidden.size() == size_t(A) * gamma * H,
                "train batch: targets, mask or target rows do not match ", A, " anchors of ", gamma, " positions");
   for (int32_t id : batch.anchors) DSPARK_CHECK(id >= 0 && id < V, "train batch: anchor ", id, " outside vocab ", V);
   for (int32_t id : batch.targets) DSPARK_CHECK(id >= 0 && id < V, "train batch: target ", id, " outside vocab ", V);
 }
-
-}  // namespace
 
 Gradients zero_gradients(const Drafter& drafter) {
   Gradients gradients;
@@ -91,7 +92,8 @@ Gradients zero_gradients(const Drafter& drafter) {
 
 void drafter_training_forward(const Drafter& drafter, const TargetHead& head, const TrainBatch& batch,
                               DrafterActivations& act) {
-  check_batch(drafter, batch);
+  check_train_batch(drafter.config, drafter.dims, batch);
+  DSPARK_CHECK(batch.context_rows_bf16.empty(), "the CPU loss reads f32 context rows (build the batch without bf16 rows)");
   const DrafterConfig& c = drafter.config;
   const int A = batch.size(), gamma = c.gamma, d = c.d_draft, inner = c.ff_mult * d, r = c.markov_rank;
   const int H = drafter.dims.hidden_size, V = drafter.dims.vocab_size, width = batch.tap_width;

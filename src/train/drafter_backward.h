@@ -72,6 +72,10 @@ struct DrafterActivations {
       d_gru_gates, d_gru_input, d_gru_output, d_token;
 };
 
+// Throws dspark::Error when `batch` does not fit a drafter of this config and
+// dims (γ, widths, sizes, ids outside the vocabulary, offsets).
+void check_train_batch(const DrafterConfig& config, const TargetDims& dims, const TrainBatch& batch);
+
 // The forward over `batch`: fills every forward member of `activations`.
 void drafter_training_forward(const Drafter& drafter, const TargetHead& head, const TrainBatch& batch,
                               DrafterActivations& activations);

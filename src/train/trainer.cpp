@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <functional>
+#include <memory>
 #include <sstream>
 
 #include "core/error.h"
@@ -12,6 +14,7 @@
 #include "core/random.h"
 #include "core/safetensors.h"
 #include "train/anchors.h"
+#include "train/train_step.h"
 
 namespace dspark {
 namespace {
@@ -67,15 +70,17 @@ std::vector<Anchor> evaluation_anchors(const Dataset& data, const std::vector<in
   return anchors;
 }
 
-EvalResult evaluate(const Drafter& drafter, const TargetHead& head, const Dataset& data,
-                    std::span<const Anchor> anchors, const TrainOptions& options, TrainBatch& batch,
-                    LossWorkspace& workspace) {
+// `loss` evaluates one batch (TrainStep::evaluate, or drafter_loss on the host).
+EvalResult evaluate(const std::function<LossTerms(const TrainBatch&)>& loss, const DrafterConfig& config,
+                    const Dataset& data, std::span<const Anchor> anchors, const TrainOptions& options,
+                    TrainBatch& batch, bool bf16_context_rows) {
   EvalResult result;
   double weight_total = 0.0;
   for (size_t first = 0; first < anchors.size(); first += options.batch) {
     const size_t count = std::min<size_t>(options.batch, anchors.size() - first);
-    build_train_batch(data, anchors.subspan(first, count), drafter.config.gamma, options.max_context, batch);
-    const LossTerms terms = drafter_loss(drafter, head, batch, options.loss, nullptr, workspace);
+    build_train_batch(data, anchors.subspan(first, count), config.gamma, options.max_context, batch,
+                      bf16_context_rows);
+    const LossTerms terms = loss(batch);
     const double weight = position_weight(batch, options.loss);
     result.terms.loss += terms.loss * weight;
     result.terms.ce += terms.ce * weight;
@@ -186,13 +191,26 @@ std::string format_terms(const LossTerms& terms) {
   return text;
 }
 
+// The step of options.device over `drafter` and `optimizer` (their current state).
+std::unique_ptr<TrainStep> make_train_step(Drafter& drafter, const TargetHead& head, AdamW& optimizer,
+                                           const TrainOptions& options) {
+  if (options.device == "cpu") return make_cpu_train_step(drafter, head, &optimizer);
+  DSPARK_CHECK(options.device == "cuda", "unknown training device \"", options.device, "\" (cpu or cuda)");
+#ifdef DSPARK_CUDA
+  return make_cuda_train_step(drafter, head, optimizer);
+#else
+  fail("--device cuda: this build has no CUDA support (nvcc was not found at build time)");
+#endif
+}
+
 }  // namespace
 
 EvalResult evaluate_drafter(const Drafter& drafter, const TargetHead& head, const Dataset& data,
                             std::span<const Anchor> anchors, const TrainOptions& options) {
   TrainBatch batch;
   LossWorkspace workspace;
-  return evaluate(drafter, head, data, anchors, options, batch, workspace);
+  auto loss = [&](const TrainBatch& b) { return drafter_loss(drafter, head, b, options.loss, nullptr, workspace); };
+  return evaluate(loss, drafter.config, data, anchors, options, batch, false);
 }
 
 Json train_options_to_json(const TrainOptions& o) {
@@ -305,15 +323,16 @@ TrainSummary train_drafter(Drafter& drafter, const TargetHead& head, const Datas
                  "written\n",
                  data.size());
 
+  const std::unique_ptr<TrainStep> stepper = make_train_step(drafter, head, optimizer, options);
+  const bool bf16_rows = options.device == "cuda";  // the GPU takes the data's bf16 rows as they are stored
   LogWriter log(output / kTrainLogFile);
   TrainBatch batch;
-  LossWorkspace workspace;
-  Gradients gradients = zero_gradients(drafter);
   std::vector<Anchor> anchors(options.batch);
 
   auto run_evaluation = [&](long at_step) {
     if (!summary.evaluated) return;
-    const EvalResult result = evaluate(drafter, head, data, eval_anchors, options, batch, workspace);
+    const EvalResult result = evaluate([&](const TrainBatch& b) { return stepper->evaluate(b, options.loss); },
+                                       drafter.config, data, eval_anchors, options, batch, bf16_rows);
     if (at_step == summary.start_step) summary.first_eval = result;
     summary.last_eval = result;
     Json record = terms_json(result.terms);
@@ -324,10 +343,12 @@ TrainSummary train_drafter(Drafter& drafter, const TargetHead& head, const Datas
     if (result.terms.tau_estimate > summary.best_tau || summary.best_step < 0) {
       summary.best_tau = result.terms.tau_estimate;
       summary.best_step = at_step;
+      stepper->store(drafter, optimizer);
       save_drafter(drafter, output / "best");
     }
   };
   auto checkpoint = [&](long at_step) {
+    stepper->store(drafter, optimizer);
     save_checkpoint(drafter, optimizer, at_step, options, identity, summary.best_tau, summary.best_step, output);
   };
 
@@ -340,14 +361,13 @@ TrainSummary train_drafter(Drafter& drafter, const TargetHead& head, const Datas
     const auto step_start = Clock::now();
     Rng rng = step_rng(options.seed, step);
     for (Anchor& anchor : anchors) anchor = sampler.sample(rng);
-    build_train_batch(data, anchors, drafter.config.gamma, options.max_context, batch);
-    for (auto& [name, gradient] : gradients) std::fill_n(gradient.data, gradient.numel(), 0.0f);
-    const LossTerms terms = drafter_loss(drafter, head, batch, options.loss, &gradients, workspace);
+    build_train_batch(data, anchors, drafter.config.gamma, options.max_context, batch, bf16_rows);
+    const double learning_rate = schedule.at(step);
+    const TrainStep::Result update = stepper->train(batch, options.loss, options.clip_norm, learning_rate);
+    const LossTerms& terms = update.terms;
     DSPARK_CHECK(std::isfinite(terms.loss), "the training loss is not finite at step ", step + 1,
                  " (try a lower --lr)");
-    const double gradient_norm = clip_gradients_by_global_norm(gradients, options.clip_norm);
-    const double learning_rate = schedule.at(step);
-    optimizer.step(drafter.parameters, gradients, learning_rate);
+    const double gradient_norm = update.gradient_norm;
     ++step;
     const double seconds = std::chrono::duration<double>(Clock::now() - step_start).count();
     positions_total += terms.positions;
@@ -380,6 +400,7 @@ TrainSummary train_drafter(Drafter& drafter, const TargetHead& head, const Datas
   if (stopped && step < options.iterations)
     std::fprintf(stderr, "stopped at step %ld of %ld; checkpoint saved (continue with --resume)\n", step,
                  options.iterations);
+  stepper->store(drafter, optimizer);  // the drafter trained in place
   summary.steps = step;
   summary.finished = step == options.iterations;
   summary.seconds = std::chrono::duration<double>(Clock::now() - start_time).count();

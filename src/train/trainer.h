@@ -22,6 +22,7 @@
 #include <filesystem>
 #include <functional>
 #include <span>
+#include <string>
 
 #include "core/json.h"
 #include "spec/draft.h"
@@ -49,6 +50,10 @@ struct TrainOptions {
   long eval_every = 100;            // 0: evaluate only at the start and the end
   long save_every = 500;            // 0: checkpoint only at the end
   bool show_progress = true;
+  // "cpu" or "cuda" (train/train_step.h): where the steps and evaluations run. Not part of the
+  // trajectory's options: a run may be resumed on the other device (the CUDA step is
+  // reproducible on one GPU, not bit-identical to the CPU's).
+  std::string device = "cpu";
   long stop_after = -1;               // for tests: stop after this step, checkpointing, as an interruption would
   std::function<bool()> interrupted;  // polled after every step (e.g. SIGINT): checkpoint and stop
 };

@@ -14,4 +14,13 @@ void swiglu_forward(__nv_bfloat16* out, const __nv_bfloat16* gate_up, int rows, 
 void gelu_tanh_gate_forward(__nv_bfloat16* out, const __nv_bfloat16* gate_up, int rows, int intermediate,
                             cudaStream_t stream);
 
+// ---- training (f32; CUDA versions of cpu::gelu_tanh_gate_forward / backward) ----
+
+// out[i] = gelu_tanh(gate[i]) * up[i]; out may alias gate.
+void gelu_tanh_gate_forward(float* out, const float* gate, const float* up, long count, cudaStream_t stream);
+
+// dgate[i] += dout[i] up[i] gelu_tanh'(gate[i]),  dup[i] += dout[i] gelu_tanh(gate[i]).
+void gelu_tanh_gate_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up,
+                             long count, cudaStream_t stream);
+
 }  // namespace dspark::cuda

@@ -408,4 +408,282 @@ void attention_forward(bf16* out, const bf16* q, const bf16* key_cache, const bf
     CUDA_CHECK_LAUNCH();
   }
 }
+
+// ---- training ----
+
+namespace {
+
+constexpr int kTrainThreads = 256;
+
+// Shared floats of the forward and backward kernels for γ queries of head_dim.
+long train_forward_floats(int gamma, int head_dim) {
+  return 2L * gamma * head_dim + 2L * kTrainKeyTile * (head_dim + 1) + long(gamma) * kTrainKeyTile + 3L * gamma;
+}
+long train_backward_floats(int gamma, int head_dim) {
+  return 3L * gamma * head_dim + 2L * kTrainKeyTile * (head_dim + 1) + 2L * gamma * kTrainKeyTile + 2L * gamma;
+}
+
+int max_shared_bytes() {
+  static const int bytes = [] {
+    int device = 0, value = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    return value;
+  }();
+  return bytes;
+}
+
+// Key `key` of anchor `anchor` (context rows first, then the block's): its row
+// in the context tensors (is_context) or in the block tensors.
+struct KeyRow {
+  long row;
+  bool is_context;
+};
+__device__ __forceinline__ KeyRow key_row(int key, int context_length, long context_first, int anchor, int anchors) {
+  if (key < context_length) return {context_first + key, true};
+  return {static_cast<long>(key - context_length) * anchors + anchor, false};
+}
+
+// Loads keys (and values) [count, hd] of one head into rows of hd + 1 floats
+// (the padding puts the lanes reading one column of consecutive keys on distinct banks).
+__device__ __forceinline__ void load_key_tile(float* keys, float* values, const float* block_keys,
+                                              const float* block_values, const float* context_keys,
+                                              const float* context_values, int tile, int count, int context_length,
+                                              long context_first, int anchor, int anchors, int head, int head_dim,
+                                              int width) {
+  const int stride = head_dim + 1;
+  for (int e = threadIdx.x; e < count * head_dim; e += blockDim.x) {
+    const int j = e / head_dim, i = e % head_dim;
+    const KeyRow at = key_row(tile + j, context_length, context_first, anchor, anchors);
+    const long offset = at.row * width + static_cast<long>(head) * head_dim + i;
+    keys[j * stride + i] = at.is_context ? context_keys[offset] : block_keys[offset];
+    values[j * stride + i] = at.is_context ? context_values[offset] : block_values[offset];
+  }
+}
+
+// grid (A, heads). Shared: queries [γ][hd], outputs [γ][hd], keys and values
+// [T][hd+1], scores [γ][T], running max / sum / rescale factor [γ].
+__global__ void __launch_bounds__(kTrainThreads)
+    train_attention_forward_kernel(float* out, float* lse, const float* q, const float* block_keys,
+                                   const float* block_values, const float* context_keys, const float* context_values,
+                                   const int32_t* context_offsets, int anchors, int gamma, int heads, int head_dim) {
+  constexpr int T = kTrainKeyTile;
+  extern __shared__ __align__(16) unsigned char shared[];  // one declaration per file: the draft kernel's
+  const int anchor = blockIdx.x, head = blockIdx.y;
+  const int stride = head_dim + 1, width = heads * head_dim;
+  float* queries = reinterpret_cast<float*>(shared);
+  float* outputs = queries + gamma * head_dim;
+  float* keys = outputs + gamma * head_dim;
+  float* values = keys + T * stride;
+  float* scores = values + T * stride;
+  float* maxima = scores + gamma * T;
+  float* sums = maxima + gamma;
+  float* factors = sums + gamma;
+  const long context_first = context_offsets[anchor];
+  const int context_length = context_offsets[anchor + 1] - static_cast<int>(context_first);
+  const int key_count = context_length + gamma;
+  const float scale = rsqrtf(static_cast<float>(head_dim));
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  for (int e = threadIdx.x; e < gamma * head_dim; e += blockDim.x) {
+    const int k = e / head_dim, i = e % head_dim;
+    queries[e] = q[(static_cast<long>(k) * anchors + anchor) * width + static_cast<long>(head) * head_dim + i];
+    outputs[e] = 0.0f;
+  }
+  for (int k = threadIdx.x; k < gamma; k += blockDim.x) {
+    maxima[k] = -INFINITY;
+    sums[k] = 0.0f;
+  }
+  for (int tile = 0; tile < key_count; tile += T) {
+    const int count = min(T, key_count - tile);
+    __syncthreads();  // the previous tile is no longer read; the initial writes are visible
+    load_key_tile(keys, values, block_keys, block_values, context_keys, context_values, tile, count, context_length,
+                  context_first, anchor, anchors, head, head_dim, width);
+    __syncthreads();
+    for (int e = threadIdx.x; e < gamma * T; e += blockDim.x) {
+      const int k = e / T, j = e % T;
+      float score = -INFINITY;
+      if (j < count) {
+        float dot = 0.0f;
+        for (int i = 0; i < head_dim; ++i) dot += queries[k * head_dim + i] * keys[j * stride + i];
+        score = dot * scale;
+      }
+      scores[e] = score;
+    }
+    __syncthreads();
+    for (int k = warp; k < gamma; k += warps) {  // lane j: key j of the tile (T == 32)
+      const float score = scores[k * T + lane];
+      const float previous_max = maxima[k];
+      const float new_max = fmaxf(previous_max, warp_max(score));  // finite: key 0 of the tile is real
+      const float weight = lane < count ? expf(score - new_max) : 0.0f;
+      const float total = warp_sum(weight);
+      scores[k * T + lane] = weight;
+      if (lane == 0) {
+        const float factor = expf(previous_max - new_max);  // 0 on the first tile (previous_max = -inf)
+        factors[k] = factor;
+        sums[k] = sums[k] * factor + total;
+        maxima[k] = new_max;
+      }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < gamma * head_dim; e += blockDim.x) {
+      const int k = e / head_dim, i = e % head_dim;
+      float accumulator = outputs[e] * factors[k];
+      for (int j = 0; j < count; ++j) accumulator += scores[k * T + j] * values[j * stride + i];
+      outputs[e] = accumulator;
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < gamma * head_dim; e += blockDim.x) {
+    const int k = e / head_dim, i = e % head_dim;
+    out[(static_cast<long>(k) * anchors + anchor) * width + static_cast<long>(head) * head_dim + i] =
+        outputs[e] / sums[k];
+  }
+  for (int k = threadIdx.x; k < gamma; k += blockDim.x)
+    lse[(static_cast<long>(k) * anchors + anchor) * heads + head] = maxima[k] + logf(sums[k]);
+}
+
+// grid (A, heads). Per tile of keys: P = exp(scale Q K^T - lse), dP = dO V^T,
+// dS = scale P ⊙ (dP - Δ) with Δ_q = dO_q · O_q (= Σ_j P dP); then dV_j += Σ_q P dO_q,
+// dK_j += Σ_q dS Q_q (keys owned by this CTA: written here), dQ += dS K (kept in shared memory).
+// Shared: queries, dO, dQ [γ][hd], keys and values [T][hd+1], P and dS [γ][T], lse and Δ [γ].
+__global__ void __launch_bounds__(kTrainThreads)
+    train_attention_backward_kernel(float* dq, float* dblock_keys, float* dblock_values, float* dcontext_keys,
+                                    float* dcontext_values, const float* dout, const float* out, const float* lse,
+                                    const float* q, const float* block_keys, const float* block_values,
+                                    const float* context_keys, const float* context_values,
+                                    const int32_t* context_offsets, int anchors, int gamma, int heads, int head_dim) {
+  constexpr int T = kTrainKeyTile;
+  extern __shared__ __align__(16) unsigned char shared[];  // one declaration per file: the draft kernel's
+  const int anchor = blockIdx.x, head = blockIdx.y;
+  const int stride = head_dim + 1, width = heads * head_dim;
+  float* queries = reinterpret_cast<float*>(shared);
+  float* gradients = queries + gamma * head_dim;
+  float* query_gradients = gradients + gamma * head_dim;
+  float* keys = query_gradients + gamma * head_dim;
+  float* values = keys + T * stride;
+  float* probabilities = values + T * stride;
+  float* score_gradients = probabilities + gamma * T;
+  float* log_sums = score_gradients + gamma * T;
+  float* deltas = log_sums + gamma;
+  const long context_first = context_offsets[anchor];
+  const int context_length = context_offsets[anchor + 1] - static_cast<int>(context_first);
+  const int key_count = context_length + gamma;
+  const float scale = rsqrtf(static_cast<float>(head_dim));
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  auto query_offset = [&](int k) {
+    return (static_cast<long>(k) * anchors + anchor) * width + static_cast<long>(head) * head_dim;
+  };
+  for (int e = threadIdx.x; e < gamma * head_dim; e += blockDim.x) {
+    const int k = e / head_dim, i = e % head_dim;
+    queries[e] = q[query_offset(k) + i];
+    gradients[e] = dout[query_offset(k) + i];
+    query_gradients[e] = 0.0f;
+  }
+  for (int k = warp; k < gamma; k += warps) {
+    float dot = 0.0f;
+    for (int i = lane; i < head_dim; i += 32) dot += dout[query_offset(k) + i] * out[query_offset(k) + i];
+    dot = warp_sum(dot);
+    if (lane == 0) {
+      deltas[k] = dot;
+      log_sums[k] = lse[(static_cast<long>(k) * anchors + anchor) * heads + head];
+    }
+  }
+  for (int tile = 0; tile < key_count; tile += T) {
+    const int count = min(T, key_count - tile);
+    __syncthreads();  // the previous tile is no longer read; the initial writes are visible
+    load_key_tile(keys, values, block_keys, block_values, context_keys, context_values, tile, count, context_length,
+                  context_first, anchor, anchors, head, head_dim, width);
+    __syncthreads();
+    for (int e = threadIdx.x; e < gamma * T; e += blockDim.x) {
+      const int k = e / T, j = e % T;
+      float probability = 0.0f, score_gradient = 0.0f;
+      if (j < count) {
+        float dot = 0.0f, probability_gradient = 0.0f;
+        for (int i = 0; i < head_dim; ++i) {
+          dot += queries[k * head_dim + i] * keys[j * stride + i];
+          probability_gradient += gradients[k * head_dim + i] * values[j * stride + i];
+        }
+        probability = expf(dot * scale - log_sums[k]);
+        score_gradient = scale * probability * (probability_gradient - deltas[k]);
+      }
+      probabilities[e] = probability;
+      score_gradients[e] = score_gradient;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < count * head_dim; e += blockDim.x) {
+      const int j = e / head_dim, i = e % head_dim;
+      float value_gradient = 0.0f, key_gradient = 0.0f;
+      for (int k = 0; k < gamma; ++k) {
+        value_gradient += probabilities[k * T + j] * gradients[k * head_dim + i];
+        key_gradient += score_gradients[k * T + j] * queries[k * head_dim + i];
+      }
+      const KeyRow at = key_row(tile + j, context_length, context_first, anchor, anchors);
+      const long offset = at.row * width + static_cast<long>(head) * head_dim + i;
+      if (at.is_context) {
+        dcontext_keys[offset] += key_gradient;
+        dcontext_values[offset] += value_gradient;
+      } else {
+        dblock_keys[offset] += key_gradient;
+        dblock_values[offset] += value_gradient;
+      }
+    }
+    for (int e = threadIdx.x; e < gamma * head_dim; e += blockDim.x) {
+      const int k = e / head_dim, i = e % head_dim;
+      float accumulator = 0.0f;
+      for (int j = 0; j < count; ++j) accumulator += score_gradients[k * T + j] * keys[j * stride + i];
+      query_gradients[e] += accumulator;
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < gamma * head_dim; e += blockDim.x) {
+    const int k = e / head_dim, i = e % head_dim;
+    dq[query_offset(k) + i] += query_gradients[e];
+  }
+}
+
+template <class Kernel>
+size_t train_shared_bytes(Kernel kernel, long floats) {
+  const size_t bytes = static_cast<size_t>(floats) * sizeof(float);
+  DSPARK_CHECK(bytes <= static_cast<size_t>(max_shared_bytes()), "training attention: gamma x head size needs ", bytes,
+               " bytes of shared memory; this GPU has ", max_shared_bytes());
+  if (bytes > 48 * 1024)
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  return bytes;
+}
+
+}  // namespace
+
+bool train_attention_fits(int gamma, int head_dim) {
+  return train_backward_floats(gamma, head_dim) * static_cast<long>(sizeof(float)) <= max_shared_bytes();
+}
+
+void bidirectional_attention_forward(float* out, float* lse, const float* q, const float* block_keys,
+                                     const float* block_values, const float* context_keys,
+                                     const float* context_values, const TrainAttentionBatch& batch,
+                                     cudaStream_t stream) {
+  if (batch.anchors <= 0) return;
+  const size_t bytes =
+      train_shared_bytes(train_attention_forward_kernel, train_forward_floats(batch.gamma, batch.head_dim));
+  const dim3 grid(batch.anchors, batch.heads);
+  train_attention_forward_kernel<<<grid, kTrainThreads, bytes, stream>>>(
+      out, lse, q, block_keys, block_values, context_keys, context_values, batch.context_offsets, batch.anchors,
+      batch.gamma, batch.heads, batch.head_dim);
+  CUDA_CHECK_LAUNCH();
+}
+
+void bidirectional_attention_backward(float* dq, float* dblock_keys, float* dblock_values, float* dcontext_keys,
+                                      float* dcontext_values, const float* dout, const float* out, const float* lse,
+                                      const float* q, const float* block_keys, const float* block_values,
+                                      const float* context_keys, const float* context_values,
+                                      const TrainAttentionBatch& batch, cudaStream_t stream) {
+  if (batch.anchors <= 0) return;
+  const size_t bytes =
+      train_shared_bytes(train_attention_backward_kernel, train_backward_floats(batch.gamma, batch.head_dim));
+  const dim3 grid(batch.anchors, batch.heads);
+  train_attention_backward_kernel<<<grid, kTrainThreads, bytes, stream>>>(
+      dq, dblock_keys, dblock_values, dcontext_keys, dcontext_values, dout, out, lse, q, block_keys, block_values,
+      context_keys, context_values, batch.context_offsets, batch.anchors, batch.gamma, batch.heads, batch.head_dim);
+  CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace dspark::cuda

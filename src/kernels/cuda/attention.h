@@ -82,4 +82,47 @@ void bidirectional_attention_forward(__nv_bfloat16* out, const __nv_bfloat16* q,
                                      int splits, float* partial_out, float* partial_lse, unsigned* counters,
                                      cudaStream_t stream);
 
+// ---- training: the drafter's block attention over a whole TrainBatch (f32;
+// CUDA versions of cpu::bidirectional_attention_forward / backward, for a
+// ragged batch of anchors at once) ----
+//
+// Anchor a's block of γ queries attends, with no mask, to its own context rows
+// followed by its own γ block rows. Rows are in the training step's head order
+// (train/cuda_loss.h): block position k of anchor a is row k·A + a of q,
+// block_keys, block_values and out ([γ·A, heads·hd]); context position p of
+// anchor a is row context_offsets[a] + p of context_keys / context_values
+// ([C, heads·hd]). Head h is columns h·hd .. h·hd + hd - 1. Scale hd^-0.5.
+//
+// One CTA per (anchor, head) streams the anchor's keys in tiles of
+// kTrainKeyTile through shared memory with an online softmax. The backward
+// recomputes the probabilities from lse; since every key and every query
+// belongs to exactly one anchor, each CTA owns the gradients it writes: no
+// atomics, a fixed summation order.
+constexpr int kTrainKeyTile = 32;
+
+struct TrainAttentionBatch {
+  const int32_t* context_offsets;  // [A + 1] device, context_offsets[0] = 0
+  int anchors;                     // A
+  int gamma;                       // γ
+  int heads;
+  int head_dim;  // hd; shared memory bounds γ·hd (about γ·hd <= 12k floats)
+};
+
+// Whether the training attention fits this γ and head size on the current device.
+bool train_attention_fits(int gamma, int head_dim);
+
+// out [γ·A, heads·hd]; lse [γ·A, heads] receives each query's log Σ exp(scores), for the backward.
+void bidirectional_attention_forward(float* out, float* lse, const float* q, const float* block_keys,
+                                     const float* block_values, const float* context_keys,
+                                     const float* context_values, const TrainAttentionBatch& batch,
+                                     cudaStream_t stream);
+
+// Given dout and the forward's out and lse: dq, dblock_keys, dblock_values
+// [γ·A, heads·hd] and dcontext_keys, dcontext_values [C, heads·hd] accumulate (+=).
+void bidirectional_attention_backward(float* dq, float* dblock_keys, float* dblock_values, float* dcontext_keys,
+                                      float* dcontext_values, const float* dout, const float* out, const float* lse,
+                                      const float* q, const float* block_keys, const float* block_values,
+                                      const float* context_keys, const float* context_values,
+                                      const TrainAttentionBatch& batch, cudaStream_t stream);
+
 }  // namespace dspark::cuda

@@ -31,4 +31,41 @@ void gather_rows_forward(bf16* out, const bf16* in, const int32_t* rows, int cou
   CUDA_CHECK_LAUNCH();
 }
 
+// ---- training ----
+
+namespace {
+
+__global__ void embedding_f32_kernel(float* out, const float* table, const int32_t* ids, int dim) {
+  const float* source = table + static_cast<long>(ids[blockIdx.x]) * dim;
+  float* destination = out + static_cast<long>(blockIdx.x) * dim;
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) destination[i] = source[i];
+}
+
+__global__ void embedding_backward_kernel(float* dtable, const float* dout, const int32_t* ids, const int32_t* starts,
+                                          const int32_t* sorted_rows, int dim) {
+  const int group = blockIdx.x;
+  const int first = starts[group], last = starts[group + 1];
+  float* destination = dtable + static_cast<long>(ids[group]) * dim;
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+    float total = 0.0f;
+    for (int j = first; j < last; ++j) total += dout[static_cast<long>(sorted_rows[j]) * dim + i];
+    destination[i] += total;
+  }
+}
+
+}  // namespace
+
+void embedding_forward(float* out, const float* table, const int32_t* ids, int rows, int dim, cudaStream_t stream) {
+  if (rows <= 0) return;
+  embedding_f32_kernel<<<rows, 256, 0, stream>>>(out, table, ids, dim);
+  CUDA_CHECK_LAUNCH();
+}
+
+void embedding_backward(float* dtable, const float* dout, const int32_t* ids, const int32_t* starts,
+                        const int32_t* sorted_rows, int groups, int dim, cudaStream_t stream) {
+  if (groups <= 0) return;
+  embedding_backward_kernel<<<groups, 128, 0, stream>>>(dtable, dout, ids, starts, sorted_rows, dim);
+  CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace dspark::cuda

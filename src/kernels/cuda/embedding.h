@@ -15,4 +15,16 @@ void embedding_forward(float* out, const __nv_bfloat16* table, const int32_t* id
 void gather_rows_forward(__nv_bfloat16* out, const __nv_bfloat16* in, const int32_t* rows, int count,
                          int dim, cudaStream_t stream);
 
+// ---- training ----
+
+// out [rows, dim] = table[ids[r]] with an f32 table [vocab, dim] (a drafter's own lookup table).
+void embedding_forward(float* out, const float* table, const int32_t* ids, int rows, int dim, cudaStream_t stream);
+
+// The lookup's backward, deterministic: rows that read the same table row are
+// listed together, so each table row is summed by one block in a fixed order
+// with no atomics. Group g reads table row ids[g] from the rows
+// sorted_rows[starts[g] .. starts[g+1]) (ascending); dtable[ids[g]] += Σ dout[row].
+void embedding_backward(float* dtable, const float* dout, const int32_t* ids, const int32_t* starts,
+                        const int32_t* sorted_rows, int groups, int dim, cudaStream_t stream);
+
 }  // namespace dspark::cuda

@@ -1,6 +1,7 @@
 #include <cublasLt.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <map>
 #include <memory>
@@ -557,6 +558,135 @@ void gemv_matmul_forward(void* out, MatmulOutput out_type, GemvInput input, cons
                features_per_warp);
   const Gate gate = input == GemvInput::Swiglu ? Gate::Silu : input == GemvInput::GeluTanh ? Gate::GeluTanh : Gate::None;
   gemv_path(out, out_type, gate, x, weight, bias, rows, in_features, out_features, features_per_warp, stream);
+}
+
+// ---- training ----
+
+namespace {
+
+using GemmKey = std::tuple<int, int, int, long, long, long, bool, bool, bool, GemmMath, unsigned, unsigned, unsigned>;
+
+struct GemmPlan {
+  cublasLtMatmulDesc_t operation = nullptr;
+  cublasLtMatrixLayout_t a_layout = nullptr, b_layout = nullptr, c_layout = nullptr;
+  cublasLtMatmulAlgo_t algorithm{};
+};
+
+// The largest power of two (at most 256) dividing the address: what cuBLASLt may assume.
+unsigned pointer_alignment(const void* pointer) {
+  const auto address = reinterpret_cast<uintptr_t>(pointer);
+  unsigned alignment = 256;
+  while (alignment > 1 && address % alignment != 0) alignment >>= 1;
+  return alignment;
+}
+
+// Its own handle and workspace (training steps never share a stream with the
+// inference GEMMs' captured graphs). Row-major C = op(A) op(B) is, column-major,
+// C' [n, m] = op(B)' [n, k] @ op(A)' [k, m] with X' the same buffer read
+// column-major: cuBLASLt's A is our B and its B our A.
+class GemmContext {
+ public:
+  GemmContext() {
+    CUBLAS_CHECK(cublasLtCreate(&handle_));
+    CUDA_CHECK(cudaMalloc(&workspace_, kWorkspaceBytes));
+  }
+  const GemmPlan& plan(const GemmKey& key) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto found = plans_.find(key);
+    if (found != plans_.end()) return found->second;
+    if (plans_.size() >= kMaxPlans) clear();  // the context lengths of a run are many: bound the cache
+    const auto [m, n, k, lda, ldb, ldc, transpose_a, transpose_b, bf16_operands, math, align_a, align_b, align_c] =
+        key;
+    GemmPlan plan;
+    const cublasComputeType_t compute =
+        !bf16_operands && math == GemmMath::TF32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    const cudaDataType_t operand = bf16_operands ? CUDA_R_16BF : CUDA_R_32F;
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.operation, compute, CUDA_R_32F));
+    const cublasOperation_t lt_a = transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N, lt_b = transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.operation, CUBLASLT_MATMUL_DESC_TRANSA, &lt_a, sizeof lt_a));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.operation, CUBLASLT_MATMUL_DESC_TRANSB, &lt_b, sizeof lt_b));
+    // Stored shapes, column-major: B [k, n] row-major is [n, k] column-major; transposed, [k, n].
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a_layout, operand, transpose_b ? k : n, transpose_b ? n : k, ldb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b_layout, operand, transpose_a ? m : k, transpose_a ? k : m, lda));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c_layout, CUDA_R_32F, n, m, ldc));
+    cublasLtMatmulPreference_t preference;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference));
+    const size_t workspace = kWorkspaceBytes;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
+                                                      sizeof workspace));
+    const uint32_t alignments[3] = {align_b, align_a, align_c};  // cuBLASLt's A (our B), its B (our A), C = D
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                                      &alignments[0], sizeof(uint32_t)));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                                      &alignments[1], sizeof(uint32_t)));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                                                      &alignments[2], sizeof(uint32_t)));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                                      &alignments[2], sizeof(uint32_t)));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found_count = 0;
+    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, plan.operation, plan.a_layout, plan.b_layout, plan.c_layout,
+                                                plan.c_layout, preference, 1, &result, &found_count));
+    cublasLtMatmulPreferenceDestroy(preference);
+    DSPARK_CHECK(found_count > 0, "cuBLASLt has no algorithm for a ", m, "x", k, " @ ", k, "x", n,
+                 bf16_operands ? " bf16" : " f32", " product");
+    plan.algorithm = result.algo;
+    return plans_.emplace(key, plan).first->second;
+  }
+  void run(const GemmPlan& plan, float* c, const void* a, const void* b, float beta, cudaStream_t stream) {
+    const float one = 1.0f;
+    CUBLAS_CHECK(cublasLtMatmul(handle_, plan.operation, &one, b, plan.a_layout, a, plan.b_layout, &beta, c,
+                                plan.c_layout, c, plan.c_layout, &plan.algorithm, workspace_, kWorkspaceBytes,
+                                stream));
+  }
+
+ private:
+  static constexpr size_t kMaxPlans = 4096;
+  void clear() {
+    for (auto& [key, plan] : plans_) {
+      cublasLtMatrixLayoutDestroy(plan.a_layout);
+      cublasLtMatrixLayoutDestroy(plan.b_layout);
+      cublasLtMatrixLayoutDestroy(plan.c_layout);
+      cublasLtMatmulDescDestroy(plan.operation);
+    }
+    plans_.clear();
+  }
+  cublasLtHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
+  std::mutex mutex_;
+  std::map<GemmKey, GemmPlan> plans_;
+};
+
+GemmContext& gemm_context() {
+  static GemmContext instance;  // lives until exit: the driver reclaims it
+  return instance;
+}
+
+}  // namespace
+
+void gemm(float* c, long ldc, const void* a, long lda, bool transpose_a, const void* b, long ldb, bool transpose_b,
+          int m, int n, int k, float beta, bool bf16_operands, GemmMath math, cudaStream_t stream) {
+  if (m <= 0 || n <= 0 || k <= 0) return;
+  const GemmKey key{m,           n,           k,          lda,  ldb, ldc, transpose_a, transpose_b, bf16_operands,
+                    math,        pointer_alignment(a),    pointer_alignment(b),          pointer_alignment(c)};
+  GemmContext& context = gemm_context();
+  context.run(context.plan(key), c, a, b, beta, stream);
+}
+
+void matmul_in_out_forward(float* out, const float* x, const float* weight, int rows, int in_features,
+                           int out_features, GemmMath math, cudaStream_t stream) {
+  gemm(out, out_features, x, in_features, false, weight, out_features, false, rows, out_features, in_features, 0.0f,
+       false, math, stream);
+}
+
+void matmul_in_out_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight,
+                            int rows, int in_features, int out_features, GemmMath math, cudaStream_t stream) {
+  if (dx)  // [rows, in] += [rows, out] @ weight^T
+    gemm(dx, in_features, dout, out_features, false, weight, out_features, true, rows, in_features, out_features,
+         1.0f, false, math, stream);
+  if (dweight)  // [in, out] += x^T @ dout
+    gemm(dweight, out_features, x, in_features, true, dout, out_features, false, in_features, out_features, rows,
+         1.0f, false, math, stream);
 }
 
 }  // namespace dspark::cuda

@@ -69,4 +69,30 @@ void matmul_in_out_argmax_forward(float* out, const float* x, const __nv_bfloat1
                                   unsigned long long* argmax_keys, const int32_t* run_if, cudaStream_t stream);
 void argmax_tokens_forward(int32_t* tokens, const unsigned long long* argmax_keys, int count, cudaStream_t stream);
 
+// ---- training: general products of f32 (or bf16) matrices, f32 results ----
+//
+// How f32 operands are multiplied: F32 is plain single precision (FMA, no
+// tensor cores: the parity tests); TF32 runs the tensor cores on operands
+// rounded to TF32 (10-bit mantissa), accumulating in f32. bf16 operands always
+// accumulate in f32.
+enum class GemmMath { F32, TF32 };
+
+// Row-major C [m, n] (leading dimension ldc) = op(A) @ op(B) + beta * C, through
+// cuBLASLt: op(A) [m, k] is A stored [m, k] (lda), or its transpose when
+// transpose_a (A stored [k, m]); op(B) [k, n] likewise. A and B are both f32, or
+// both bf16 (bf16_operands); C is f32. beta 0: C is not read. m, n or k of 0
+// does nothing (with k = 0, C is left as it was). Deterministic: a shape's
+// algorithm is chosen once by cuBLASLt's heuristic (with the pointers'
+// alignments) and cached.
+void gemm(float* c, long ldc, const void* a, long lda, bool transpose_a, const void* b, long ldb, bool transpose_b,
+          int m, int n, int k, float beta, bool bf16_operands, GemmMath math, cudaStream_t stream);
+
+// CUDA versions of cpu::matmul_in_out_forward / backward (f32, weight stored [in, out]):
+// out [rows, out] = x [rows, in] @ weight;  dx += dout @ weight^T, dweight += x^T @ dout
+// (a null gradient is skipped; the backward accumulates, as on the CPU).
+void matmul_in_out_forward(float* out, const float* x, const float* weight, int rows, int in_features,
+                           int out_features, GemmMath math, cudaStream_t stream);
+void matmul_in_out_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight,
+                            int rows, int in_features, int out_features, GemmMath math, cudaStream_t stream);
+
 }  // namespace dspark::cuda

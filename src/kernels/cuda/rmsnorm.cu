@@ -1,5 +1,6 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/reduce.h"
 #include "kernels/cuda/rmsnorm.h"
 
 namespace dspark::cuda {
@@ -103,4 +104,68 @@ void residual_add_rmsnorm_forward(float* residual, const bf16* delta, bf16* out,
                                   cudaStream_t stream) {
   launch(residual, delta, out, weight, rows, dim, eps, residual_tap, normed_tap, tap_stride, stream);
 }
+
+// ---- training ----
+
+namespace {
+
+constexpr int kTrainThreads = 256;
+
+// One block per row, f32 out. The mean of squares is summed in f32 (the CPU
+// reference sums in double; the difference is far below TF32 rounding).
+__global__ void __launch_bounds__(kTrainThreads)
+    rmsnorm_f32_kernel(float* out, const float* x, const float* weight, int dim, float eps) {
+  __shared__ float scratch[32];
+  const long row = blockIdx.x;
+  const float* in = x + row * dim;
+  float sum_of_squares = 0.0f;
+  for (int i = threadIdx.x; i < dim; i += kTrainThreads) sum_of_squares += in[i] * in[i];
+  const float scale = rsqrtf(block_sum(sum_of_squares, scratch) / dim + eps);
+  for (int i = threadIdx.x; i < dim; i += kTrainThreads) out[row * dim + i] = in[i] * scale * weight[i];
+}
+
+// One block per row: dx_i += s w_i dout_i - s^3 x_i (Σ_j dout_j w_j x_j) / dim,
+// s = rsqrt(mean(x^2) + eps), written to scales[row] for the weight's gradient.
+__global__ void __launch_bounds__(kTrainThreads)
+    rmsnorm_backward_kernel(float* dx, float* scales, const float* dout, const float* x, const float* weight, int dim,
+                            float eps) {
+  __shared__ float scratch[32];
+  const long row = blockIdx.x;
+  const float* in = x + row * dim;
+  const float* gradient = dout + row * dim;
+  float sum_of_squares = 0.0f, dot = 0.0f;
+  for (int i = threadIdx.x; i < dim; i += kTrainThreads) {
+    sum_of_squares += in[i] * in[i];
+    dot += gradient[i] * weight[i] * in[i];
+  }
+  const float scale = rsqrtf(block_sum(sum_of_squares, scratch) / dim + eps);
+  dot = block_sum(dot, scratch);
+  if (threadIdx.x == 0) scales[row] = scale;
+  if (!dx) return;
+  const float correction = scale * scale * scale * dot / dim;
+  for (int i = threadIdx.x; i < dim; i += kTrainThreads)
+    dx[row * dim + i] += scale * weight[i] * gradient[i] - correction * in[i];
+}
+
+}  // namespace
+
+void rmsnorm_forward(float* out, const float* x, const float* weight, int rows, int dim, float eps,
+                     cudaStream_t stream) {
+  if (rows <= 0) return;
+  rmsnorm_f32_kernel<<<rows, kTrainThreads, 0, stream>>>(out, x, weight, dim, eps);
+  CUDA_CHECK_LAUNCH();
+}
+
+long rmsnorm_backward_scratch(int rows, int dim) { return rows + column_sums_scratch(rows, dim); }
+
+void rmsnorm_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight, int rows,
+                      int dim, float eps, float* scratch, cudaStream_t stream) {
+  if (rows <= 0) return;
+  float* scales = scratch;  // [rows]
+  rmsnorm_backward_kernel<<<rows, kTrainThreads, 0, stream>>>(dx, scales, dout, x, weight, dim, eps);
+  CUDA_CHECK_LAUNCH();
+  // dweight_i = Σ_rows dout_i x_i s
+  if (dweight) column_sums(dweight, dout, dim, x, dim, scales, rows, dim, scratch + rows, stream);
+}
+
 }  // namespace dspark::cuda

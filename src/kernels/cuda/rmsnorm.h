@@ -18,4 +18,19 @@ void residual_add_rmsnorm_forward(float* residual, const __nv_bfloat16* delta, _
                                   const float* weight, int rows, int dim, float eps, float* residual_tap,
                                   float* normed_tap, long tap_stride, cudaStream_t stream);
 
+// ---- training (f32 in and out; CUDA versions of cpu::rmsnorm_forward / rmsnorm_backward) ----
+
+// out = x * rsqrt(mean(x^2) + eps) * weight, per row; x, out [rows, dim] f32 (may alias).
+void rmsnorm_forward(float* out, const float* x, const float* weight, int rows, int dim, float eps,
+                     cudaStream_t stream);
+
+// Scratch floats rmsnorm_backward needs.
+long rmsnorm_backward_scratch(int rows, int dim);
+
+// dx [rows, dim] += dL/dx and dweight [dim] += dL/dweight (null: not wanted), as
+// cpu::rmsnorm_backward. dweight is a deterministic column sum (reduce.h).
+// `scratch` holds rmsnorm_backward_scratch(rows, dim) floats.
+void rmsnorm_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight, int rows,
+                      int dim, float eps, float* scratch, cudaStream_t stream);
+
 }  // namespace dspark::cuda
