@@ -32,4 +32,19 @@ LoadedDraftSource load_draft_source(const std::string& name, const std::filesyst
   return loaded;
 }
 
+std::unique_ptr<DraftSource> unpruned_draft_source(const LoadedDraftSource& loaded, const Target& target) {
+  if (!loaded.drafter) return nullptr;
+#ifdef DSPARK_CUDA
+  if (const std::optional<CudaTargetHead> head = cuda_target_head(target)) {
+    // The CUDA drafter copies the weights to the device, so a copy without
+    // thresholds (temperatures kept) can go once it is uploaded.
+    Drafter unpruned = *loaded.drafter;
+    if (unpruned.config.sts) unpruned.config.sts->thresholds.clear();
+    return std::make_unique<CudaDSparkSource>(unpruned, *head, 0.0f);
+  }
+#endif
+  DSPARK_CHECK(loaded.head, "unpruned_draft_source: the drafter has no target head to read");
+  return std::make_unique<DSparkSource>(*loaded.drafter, loaded.head->view(), 0.0f, false);
+}
+
 }  // namespace dspark

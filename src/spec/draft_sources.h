@@ -13,13 +13,19 @@
 namespace dspark {
 
 struct LoadedDraftSource {
-  std::unique_ptr<Drafter> drafter;            // when a DSpark drafter
-  std::unique_ptr<TargetHeadWeights> head;     // the target's embedding / LM head it reads (CPU drafting only)
+  std::unique_ptr<Drafter> drafter;         // when a DSpark drafter
+  std::unique_ptr<TargetHeadWeights> head;  // the target's embedding / LM head it reads (CPU drafting only)
   std::unique_ptr<DraftSource> source;
   int default_gamma = 8;
 };
 
 LoadedDraftSource load_draft_source(const std::string& name, const std::filesystem::path& target_directory,
                                     const Target& target, float min_confidence);
+
+// The loaded drafter as a second source that never prunes by its calibrated
+// thresholds (its confidences keep the STS temperatures): the drafts a verify
+// scheduler cuts instead. Null when the source has no drafter (ngram).
+// `loaded` must outlive it.
+std::unique_ptr<DraftSource> unpruned_draft_source(const LoadedDraftSource& loaded, const Target& target);
 
 }  // namespace dspark
