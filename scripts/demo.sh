@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Fresh machine to generated text: install the packages, build, then run
-# `dspark generate` on the embedded default model. Extra arguments go to
-# `dspark generate` (e.g. -p "your prompt" -n 64).
+# Fresh clone to the demo: install the packages, build the `dspark` command,
+# then run `dspark demo` with the shipped target and DSpark drafter
+# (models/): a held-out code prompt continued plainly and speculatively, the
+# text printed once, then plain vs speculative tokens/s, the speed-up, tau and
+# acceptance by position. Extra arguments go to `dspark demo`
+# (e.g. -p "your prompt" -n 64, --device cpu, --plot acceptance.png).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-scripts/build.sh >/dev/null
-exec build/dspark generate "$@"
+[ -x build/dspark ] || echo "demo: building dspark (the first build takes a few minutes)" >&2
+scripts/build.sh dspark >/dev/null
+exec build/dspark demo "$@"

@@ -21,9 +21,17 @@ inline std::string shell_quote(const std::string& text) {
   return quoted + "'";
 }
 
-inline CommandResult run_dspark(const std::vector<std::string>& arguments) {
+// `environment`: NAME=value settings for this run only.
+inline CommandResult run_dspark(const std::vector<std::string>& arguments,
+                                const std::vector<std::string>& environment = {}) {
   TemporaryDirectory directory;
-  std::string command = shell_quote(DSPARK_BINARY);
+  std::string command;
+  if (!environment.empty()) {
+    command = "env";
+    for (const auto& setting : environment) command += " " + shell_quote(setting);
+    command += " ";
+  }
+  command += shell_quote(DSPARK_BINARY);
   for (const auto& argument : arguments) command += " " + shell_quote(argument);
   command += " >" + shell_quote((directory.path / "out").string()) + " 2>" +
              shell_quote((directory.path / "err").string());

@@ -208,8 +208,8 @@ TEST(CliRegen, BadPromptLinesAreReportedAndSkipped) {
         << "\n";
   }
   const std::filesystem::path data = directory.path / "data";
-  const auto result = run_dspark({"regen", "--prompts", prompts.string(), "-o", data.string(), "-n", "4", "--device",
-                                  "cpu", "--tap-layers", "2,4"});
+  const auto result = run_dspark({"regen", "-m", golden_model("qwen3").string(), "--prompts", prompts.string(), "-o",
+                                  data.string(), "-n", "4", "--device", "cpu", "--tap-layers", "2,4"});
   ASSERT_EQ(result.exit_code, 0) << result.err;
   for (const char* line : {"prompts.jsonl:2 skipped", "prompts.jsonl:3 skipped", "prompts.jsonl:4 skipped"})
     EXPECT_NE(result.err.find(line), std::string::npos) << line << " not in: " << result.err;
@@ -220,8 +220,8 @@ TEST(CliRegen, BadPromptLinesAreReportedAndSkipped) {
   EXPECT_EQ(dataset.manifest().tap_layers, (std::vector<int>{2, 4}));
   EXPECT_EQ(dataset.manifest().target_id, "qwen3");
   // Rerunning a complete run does nothing and says so.
-  const auto again = run_dspark({"regen", "--prompts", prompts.string(), "-o", data.string(), "-n", "4", "--device",
-                                 "cpu", "--tap-layers", "2,4"});
+  const auto again = run_dspark({"regen", "-m", golden_model("qwen3").string(), "--prompts", prompts.string(), "-o",
+                                 data.string(), "-n", "4", "--device", "cpu", "--tap-layers", "2,4"});
   ASSERT_EQ(again.exit_code, 0) << again.err;
   EXPECT_NE(again.out.find("already complete"), std::string::npos) << again.out;
 }

@@ -241,10 +241,12 @@ TEST(Trainer, RefusesToOverwriteOrToResumeWithOtherSettings) {
 TEST(CliTrain, TrainsStopsAndResumesToTheSameDrafter) {
   TemporaryDirectory directory;
   const std::string data = tiny_data().string();
+  const std::string target = golden_model("qwen3").string();
   const std::vector<std::string> common = {
-      "train", "--data",       data, "--iters",   "6",   "--batch",        "4", "--gamma",   "3", "--d-draft",
-      "16",    "--layers",     "1",  "--heads",   "2",   "--markov-rank",  "8", "--max-ctx", "8", "--warmup",
-      "2",     "--eval-every", "3",  "--holdout", "0.2", "--eval-anchors", "8", "--seed",    "4"};
+      "train", "-m",        target, "--data",       data, "--iters",   "6",   "--batch",        "4", "--gamma",
+      "3",     "--d-draft", "16",   "--layers",     "1",  "--heads",   "2",   "--markov-rank",  "8", "--max-ctx",
+      "8",     "--warmup",  "2",    "--eval-every", "3",  "--holdout", "0.2", "--eval-anchors", "8", "--seed",
+      "4"};
   auto with = [&](std::vector<std::string> extra) {
     std::vector<std::string> arguments = common;
     arguments.insert(arguments.end(), extra.begin(), extra.end());
@@ -262,16 +264,16 @@ TEST(CliTrain, TrainsStopsAndResumesToTheSameDrafter) {
   EXPECT_NE(again.exit_code, 0);
   EXPECT_NE(again.err.find("--resume"), std::string::npos) << again.err;
   // --resume with no other flags takes the run's own settings.
-  const auto rest = run_dspark({"train", "--data", data, "-o", resumed, "--iters", "6", "--resume"});
+  const auto rest = run_dspark({"train", "-m", target, "--data", data, "-o", resumed, "--iters", "6", "--resume"});
   ASSERT_EQ(rest.exit_code, 0) << rest.err;
   EXPECT_EQ(read_text_file(std::filesystem::path(straight) / "model.safetensors"),
             read_text_file(std::filesystem::path(resumed) / "model.safetensors"));
   const auto conflicting =
-      run_dspark({"train", "--data", data, "-o", resumed, "--iters", "8", "--resume", "--lr", "0.5"});
+      run_dspark({"train", "-m", target, "--data", data, "-o", resumed, "--iters", "8", "--resume", "--lr", "0.5"});
   EXPECT_NE(conflicting.exit_code, 0);
   EXPECT_NE(conflicting.err.find("learning_rate"), std::string::npos) << conflicting.err;
   // The trained drafter drives speculative decoding.
-  const auto decode = run_dspark({"generate", "-d", straight, "-n", "8", "--device", "cpu"});
+  const auto decode = run_dspark({"generate", "-m", target, "-d", straight, "-n", "8", "--device", "cpu"});
   EXPECT_EQ(decode.exit_code, 0) << decode.err;
 }
 
@@ -283,12 +285,13 @@ TEST(CliTrain, RefusesDataForAnotherTargetAndCudaWithoutAGpu) {
   EXPECT_NE(other.exit_code, 0);
   EXPECT_NE(other.err.find("made with target \"qwen3\""), std::string::npos) << other.err;
   if (default_device() == "cpu") {  // no GPU here (the GPU tests train on one: tests/cuda/test_cuda_train.cpp)
-    const auto cuda = run_dspark({"train", "--data", data, "-o", (directory.path / "b").string(), "--device", "cuda"});
+    const auto cuda = run_dspark({"train", "-m", golden_model("qwen3").string(), "--data", data, "-o",
+                                  (directory.path / "b").string(), "--device", "cuda"});
     EXPECT_NE(cuda.exit_code, 0);
     EXPECT_NE(cuda.err.find("--device cuda: "), std::string::npos) << cuda.err;
   }
-  const auto missing =
-      run_dspark({"train", "--data", (directory.path / "none").string(), "-o", (directory.path / "c").string()});
+  const auto missing = run_dspark({"train", "-m", golden_model("qwen3").string(), "--data",
+                                   (directory.path / "none").string(), "-o", (directory.path / "c").string()});
   EXPECT_NE(missing.exit_code, 0);
   EXPECT_NE(missing.err.find("dspark regen"), std::string::npos) << missing.err;
 }

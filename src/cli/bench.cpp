@@ -26,6 +26,7 @@
 #include "model/prompts.h"
 #include "model/target.h"
 #include "model/tokenizer.h"
+#include "spec/compare.h"
 #include "spec/draft_sources.h"
 #include "spec/scheduler.h"
 #include "spec/speculative.h"
@@ -205,14 +206,6 @@ struct BenchSpecFlags {
   bool json = false;
 };
 
-// One decoding mode over one batch size's requests.
-struct ModeResult {
-  double seconds = 0.0;
-  long tokens = 0, matched = 0;
-  SpeculativeStats stats;
-  double tokens_per_s() const { return seconds > 0 ? tokens / seconds : 0.0; }
-};
-
 // Plain and speculative decoding of the same prompts, at one or several batch
 // sizes and under one or several verify schedules:
 //   off        every drafted position is verified (no pruning);
@@ -246,32 +239,18 @@ void run_bench_spec(const BenchSpecFlags& flags) {
   if (scheduled("alg1") && !source.drafter)
     std::fprintf(stderr, "note: -d %s gives no confidences: alg1 verifies every proposed token\n",
                  flags.draft.c_str());
-  // The drafter again without threshold pruning, for off and alg1 (its
-  // confidences still carry the STS temperatures); on the GPU beside a CUDA
-  // target, where source.head is null.
-  std::unique_ptr<DraftSource> unpruned;
-  if (source.drafter && (scheduled("off") || scheduled("alg1")))
-    unpruned = make_dspark_source(*source.drafter, *target, source.head.get(), 0.0f, false);
-  std::unique_ptr<PrefixScheduler> scheduler;
-  std::string sps_note;
-  if (scheduled("alg1")) {
-    SpsProfileOptions profile_options;
-    profile_options.max_tokens = *std::max_element(batches.begin(), batches.end()) * (gamma + 1);
-    profile_options.taps = source.source->tap_layers();
-    const std::filesystem::path cache =
-        flags.sps_cache.empty() ? default_sps_cache_path() : std::filesystem::path(flags.sps_cache);
-    bool measured = false;
-    scheduler = std::make_unique<PrefixScheduler>(
-        cached_sps_profile(*target, std::filesystem::weakly_canonical(flags.model).string(), profile_options, cache,
-                           flags.reprofile, &measured));
-    sps_note = std::string(measured ? "measured, stored in " : "read from ") + cache.string();
-  }
+  const std::filesystem::path cache =
+      flags.sps_cache.empty() ? default_sps_cache_path() : std::filesystem::path(flags.sps_cache);
+  VerifySchedules verify_schedules(*target, source, flags.model, schedules,
+                                   *std::max_element(batches.begin(), batches.end()) * (gamma + 1), cache,
+                                   flags.reprofile);
+  const std::string sps_note = verify_schedules.sps_note();
 
   struct Point {
     int batch = 0;
     size_t requests = 0;
-    ModeResult plain;
-    std::vector<ModeResult> modes;  // one per schedule
+    TimedDecoding plain;
+    std::vector<TimedDecoding> modes;  // one per schedule
   };
   std::vector<Point> points;
   for (const int batch : batches) {
@@ -286,51 +265,37 @@ void run_bench_spec(const BenchSpecFlags& flags) {
     point.batch = batch;
     point.requests = requests.size();
     point.modes.resize(schedules.size());
-    std::vector<std::vector<int32_t>> plain_outputs;
-    auto run_plain = [&](std::span<const std::vector<int32_t>> chunk, ModeResult* record) {
-      GenerateOptions options;
-      options.max_new_tokens = flags.max_new_tokens;
-      options.sampling = sampling;
-      options.seed = flags.seed;
-      const auto plain = generate_batch(*target, chunk, options);
-      if (!record) return;
-      record->seconds += plain[0].prefill_seconds + plain[0].decode_seconds;
-      for (const auto& result : plain) {
-        record->tokens += long(result.tokens.size());
-        plain_outputs.push_back(result.tokens);
-      }
-    };
-    auto run_spec = [&](std::span<const std::vector<int32_t>> chunk, size_t first, const std::string& schedule,
-                        ModeResult* record) {
+    GenerateOptions plain_options;
+    plain_options.max_new_tokens = flags.max_new_tokens;
+    plain_options.sampling = sampling;
+    plain_options.seed = flags.seed;
+    auto spec_options = [&](const std::string& schedule) {
       SpeculativeOptions options;
       options.max_new_tokens = flags.max_new_tokens;
       options.sampling = sampling;
       options.seed = flags.seed;
       options.gamma = gamma;
-      options.scheduler = schedule == "alg1" ? scheduler.get() : nullptr;
-      DraftSource& drafts = schedule == "threshold" || !unpruned ? *source.source : *unpruned;
-      SpeculativeTiming timing;
-      const auto spec = speculative_generate(*target, drafts, chunk, options, &timing);
-      if (!record) return;
-      record->seconds += timing.prefill_seconds + timing.decode_seconds;
-      for (size_t i = 0; i < spec.size(); ++i) {
-        record->tokens += long(spec[i].tokens.size());
-        record->matched += spec[i].tokens == plain_outputs[first + i];
-        record->stats.add(spec[i].stats);
-      }
+      options.scheduler = verify_schedules.scheduler(schedule);
+      return options;
+    };
+    auto run_spec = [&](size_t begin, size_t m, TimedDecoding* record) {
+      const std::span<const std::vector<int32_t>> reference = point.plain.outputs;
+      timed_speculative_decoding(
+          *target, verify_schedules.source(schedules[m]), chunk_of(begin), spec_options(schedules[m]), record,
+          record ? reference.subspan(begin, std::min<size_t>(batch, reference.size() - begin)) : reference.first(0));
     };
     // An untimed pass first: GEMM algorithm choice and CUDA graph capture happen
     // on a shape's first uses, and every mode should be measured warm.
-    run_plain(chunk_of(0), nullptr);
-    for (const std::string& schedule : schedules) run_spec(chunk_of(0), 0, schedule, nullptr);
-    for (size_t begin = 0; begin < requests.size(); begin += batch) run_plain(chunk_of(begin), &point.plain);
+    timed_plain_decoding(*target, chunk_of(0), plain_options, nullptr);
+    for (size_t m = 0; m < schedules.size(); ++m) run_spec(0, m, nullptr);
+    for (size_t begin = 0; begin < requests.size(); begin += batch)
+      timed_plain_decoding(*target, chunk_of(begin), plain_options, &point.plain);
     for (size_t m = 0; m < schedules.size(); ++m)
-      for (size_t begin = 0; begin < requests.size(); begin += batch)
-        run_spec(chunk_of(begin), begin, schedules[m], &point.modes[m]);
+      for (size_t begin = 0; begin < requests.size(); begin += batch) run_spec(begin, m, &point.modes[m]);
     points.push_back(std::move(point));
   }
 
-  auto mode_json = [&](const Point& point, const ModeResult& mode) {
+  auto mode_json = [&](const Point& point, const TimedDecoding& mode) {
     const SpeculativeStats& stats = mode.stats;
     return Json{{"tokens_per_s", mode.tokens_per_s()},
                 {"speedup", mode.tokens_per_s() / point.plain.tokens_per_s()},
@@ -362,7 +327,7 @@ void run_bench_spec(const BenchSpecFlags& flags) {
   if (points.size() == 1 && schedules.size() == 1) {
     // The verify cost at this batch size and a typical context.
     const Point& point = points[0];
-    const ModeResult& mode = point.modes[0];
+    const TimedDecoding& mode = point.modes[0];
     const int batch = point.batch;
     size_t total_length = 0;
     for (const auto& prompt : prompts) total_length += prompt.size();

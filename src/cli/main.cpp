@@ -9,6 +9,7 @@
 int main(int argc, char** argv) {
   CLI::App app{"dspark: lossless speculative decoding with DSpark drafters"};
   app.require_subcommand(1);
+  dspark::cli::add_demo_command(app);
   dspark::cli::add_generate_command(app);
   dspark::cli::add_perplexity_command(app);
   dspark::cli::add_bench_command(app);

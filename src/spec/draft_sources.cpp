@@ -42,4 +42,9 @@ std::unique_ptr<DraftSource> make_dspark_source(const Drafter& drafter, const Ta
   return std::make_unique<DSparkSource>(drafter, head->view(), min_confidence, calibrated_thresholds);
 }
 
+std::unique_ptr<DraftSource> unpruned_draft_source(const LoadedDraftSource& loaded, const Target& target) {
+  if (!loaded.drafter) return nullptr;
+  return make_dspark_source(*loaded.drafter, target, loaded.head.get(), 0.0f, false);
+}
+
 }  // namespace dspark

@@ -13,8 +13,8 @@
 namespace dspark {
 
 struct LoadedDraftSource {
-  std::unique_ptr<Drafter> drafter;            // when a DSpark drafter
-  std::unique_ptr<TargetHeadWeights> head;     // the target's embedding / LM head it reads (CPU drafting only)
+  std::unique_ptr<Drafter> drafter;         // when a DSpark drafter
+  std::unique_ptr<TargetHeadWeights> head;  // the target's embedding / LM head it reads (CPU drafting only)
   std::unique_ptr<DraftSource> source;
   int default_gamma = 8;
 };
@@ -31,5 +31,11 @@ LoadedDraftSource load_draft_source(const std::string& name, const std::filesyst
 std::unique_ptr<DraftSource> make_dspark_source(const Drafter& drafter, const Target& target,
                                                 const TargetHeadWeights* head, float min_confidence,
                                                 bool calibrated_thresholds);
+
+// The loaded drafter as a second source that never prunes by its calibrated
+// thresholds (its confidences keep the STS temperatures): the drafts a verify
+// scheduler cuts instead. Null when the source has no drafter (ngram).
+// `loaded` must outlive it.
+std::unique_ptr<DraftSource> unpruned_draft_source(const LoadedDraftSource& loaded, const Target& target);
 
 }  // namespace dspark

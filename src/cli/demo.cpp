@@ -1,0 +1,254 @@
+// dspark demo: the README's first command. With no flags it loads the shipped
+// target (models/dspark-target) and its DSpark drafter (models/dspark-drafter),
+// continues a held-out code prompt plainly and then speculatively (same
+// prompt, same settings, greedy), each after an untimed warm-up pass, prints
+// the text once and reports both speeds, their ratio, tau and acceptance by
+// position, and whether the two texts are identical (at temperature 0 they
+// must be: a difference is an error).
+//
+// A verb of its own rather than a mode of `generate`: generate is one run
+// that streams text and stays scriptable (its --json is one result); the demo
+// is a measurement that decodes the same prompt twice and compares.
+#include <cstdio>
+#include <iostream>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "core/json.h"
+#include "core/plot.h"
+#include "model/prompts.h"
+#include "model/target.h"
+#include "model/tokenizer.h"
+#include "spec/compare.h"
+#include "spec/draft_sources.h"
+
+namespace dspark::cli {
+namespace {
+
+// The default prompt: a held-out code prompt (the drafter never trained on it).
+constexpr const char* kDefaultPromptFile = "data/prompts/heldout_code.jsonl";
+constexpr int kDefaultPromptLine = 1;
+
+struct DemoFlags {
+  std::string model = default_model_directory();
+  std::string draft = default_drafter_directory();
+  std::string prompt;  // empty: the held-out prompt above
+  int max_new_tokens = 128;
+  float temperature = 0.0f;
+  uint64_t seed = 0;
+  int gamma = 0;  // 0: the drafter's own
+  std::string schedule = "threshold";
+  bool ignore_eos = false;
+  std::string plot;
+  bool json = false;
+  std::string device = "auto";
+};
+
+// The text of the default prompt, and where it came from.
+PromptEntry default_prompt(std::string& origin) {
+  const std::filesystem::path file = source_tree_path(kDefaultPromptFile);
+  DSPARK_CHECK(std::filesystem::exists(file), file.string(), ": the default prompt file is missing (pass -p TEXT)");
+  for (PromptEntry& entry : read_prompt_file(file))
+    if (entry.line == kDefaultPromptLine) {
+      origin = std::string("held-out code, ") + kDefaultPromptFile + " line " + std::to_string(kDefaultPromptLine);
+      return entry;
+    }
+  fail(file.string(), ": line ", kDefaultPromptLine, " is not a usable prompt (pass -p TEXT)");
+}
+
+// A path as a user would type it: relative to the current directory when inside it.
+std::string shown(const std::string& path) {
+  std::error_code error;
+  const std::filesystem::path relative = std::filesystem::relative(path, error);
+  if (error || relative.empty() || *relative.begin() == "..") return path;
+  return relative.string();
+}
+
+void check_shipped(const std::string& directory, const char* what, const char* flag) {
+  DSPARK_CHECK(std::filesystem::is_directory(directory), what, " ", directory,
+               " does not exist (the repository ships it in models/; pass ", flag,
+               " DIR, or set DSPARK_MODELS_DIR to a directory holding dspark-target/ and dspark-drafter/)");
+}
+
+void run_demo(const DemoFlags& flags) {
+  check_shipped(flags.model, "the target", "-m");
+  check_shipped(flags.draft, "the drafter", "-d");
+  const std::unique_ptr<Target> target = load_target(flags.model, flags.device);
+  const Tokenizer tokenizer = Tokenizer::load(flags.model);
+  const ModelConfig& config = target->config();
+  LoadedDraftSource source = load_draft_source(flags.draft, flags.model, *target, 0.0f);
+  const int gamma = flags.gamma > 0 ? flags.gamma : source.default_gamma;
+  VerifySchedules schedules(*target, source, flags.model, {flags.schedule}, gamma + 1, default_sps_cache_path(), false);
+
+  std::string origin = "-p";
+  PromptEntry entry;
+  if (flags.prompt.empty()) {
+    entry = default_prompt(origin);
+  } else {
+    entry.prompt = flags.prompt;
+  }
+  const std::string prompt_text = entry.prompt;
+  const std::vector<std::vector<int32_t>> prompts = {tokenize_prompt(tokenizer, entry, false)};
+  check_prompt_fits(config, prompts[0].size());
+
+  const cpu::SamplingParams sampling{flags.temperature, 0, 1.0f};
+  GenerateOptions plain_options;
+  plain_options.max_new_tokens = flags.max_new_tokens;
+  plain_options.sampling = sampling;
+  plain_options.seed = flags.seed;
+  plain_options.ignore_eos = flags.ignore_eos;
+  SpeculativeOptions spec_options;
+  spec_options.max_new_tokens = flags.max_new_tokens;
+  spec_options.sampling = sampling;
+  spec_options.seed = flags.seed;
+  spec_options.ignore_eos = flags.ignore_eos;
+  spec_options.gamma = gamma;
+  spec_options.scheduler = schedules.scheduler(flags.schedule);
+  DraftSource& drafts = schedules.source(flags.schedule);
+  const bool greedy = sampling.greedy();
+
+  if (!flags.json) {
+    std::fprintf(stderr, "target %s, drafter %s (gamma %d, schedule %s) on %s\n", shown(flags.model).c_str(),
+                 shown(flags.draft).c_str(), gamma, flags.schedule.c_str(), target->device_description().c_str());
+    std::fprintf(stderr, "warming up (one untimed pass of each mode)...\n");
+  }
+  // Warm-up: first uses of a shape pick GEMM algorithms, capture CUDA graphs
+  // and fault the weights in; both modes are measured warm.
+  timed_plain_decoding(*target, prompts, plain_options, nullptr);
+  timed_speculative_decoding(*target, drafts, prompts, spec_options, nullptr);
+
+  // Plain decoding, its text streamed as it is generated (the speculative
+  // text is the same at temperature 0; that is checked below).
+  StreamingDecoder stream(tokenizer);
+  if (!flags.json) {
+    std::printf("--- prompt (%s; %zu tokens) ---\n%s", origin.c_str(), prompts[0].size(), prompt_text.c_str());
+    if (prompt_text.empty() || prompt_text.back() != '\n') std::printf("\n");
+    std::printf("--- continuation (plain decoding, %s) ---\n", greedy ? "greedy" : "sampled");
+    std::fflush(stdout);
+  }
+  auto print = [&](size_t, int32_t token) {
+    if (flags.json || (is_eos(config, token) && !flags.ignore_eos)) return;
+    std::fputs(stream.push(token).c_str(), stdout);
+    std::fflush(stdout);
+  };
+  TimedDecoding plain, speculative;
+  timed_plain_decoding(*target, prompts, plain_options, &plain, print);
+  if (!flags.json) {
+    std::fputs(stream.finish().c_str(), stdout);
+    std::printf("\n");
+    std::fflush(stdout);
+    std::fprintf(stderr, "speculative decoding...\n");
+  }
+  timed_speculative_decoding(*target, drafts, prompts, spec_options, &speculative, plain.outputs);
+
+  const bool identical = speculative.matched == 1;
+  const double speedup = speculative.tokens_per_s() / plain.tokens_per_s();
+  const SpeculativeStats& stats = speculative.stats;
+  const std::vector<double> acceptance = stats.acceptance_by_position();
+  if (!flags.plot.empty()) {
+    PlotSeries series{"acceptance", {}, {}, true, false, Marker::circle};
+    for (size_t k = 0; k < acceptance.size(); ++k) {
+      if (stats.drafted_at[k] == 0) continue;  // never drafted there: no rate
+      series.x.push_back(double(k + 1));
+      series.y.push_back(acceptance[k]);
+    }
+    DSPARK_CHECK(!series.x.empty(), "--plot: no drafted tokens to plot (every round verified the pending token only)");
+    PlotOptions axes;
+    axes.x_range = {{0.5, gamma + 0.5}};
+    axes.y_range = {{0.0, 1.0}};
+    char title[256];
+    std::snprintf(title, sizeof title, "Acceptance by draft position: %.2fx, tau %.2f, %s", speedup, stats.tau(),
+                  target->device_description().c_str());
+    write_line_plot(flags.plot, title, "draft position (1 = first drafted token)",
+                    "accepted / drafted at this position", {series}, axes);
+  }
+
+  std::vector<int32_t> text_tokens = plain.outputs[0];
+  if (plain.stop_reasons[0] == "eos") text_tokens.pop_back();
+  if (flags.json) {
+    auto mode_json = [](const TimedDecoding& mode) {
+      return Json{{"tokens", mode.tokens}, {"seconds", mode.seconds}, {"tokens_per_s", mode.tokens_per_s()}};
+    };
+    Json out = {{"text", tokenizer.decode(text_tokens)},
+                {"prompt_tokens", prompts[0].size()},
+                {"prompt", origin},
+                {"device", target->device_description()},
+                {"target", flags.model},
+                {"drafter", flags.draft},
+                {"gamma", gamma},
+                {"schedule", flags.schedule},
+                {"temperature", flags.temperature},
+                {"stop_reason", plain.stop_reasons[0]},
+                {"plain", mode_json(plain)},
+                {"speculative", mode_json(speculative)},
+                {"speedup", speedup},
+                {"tau", stats.tau()},
+                {"rounds", stats.rounds},
+                {"acceptance_by_position", acceptance},
+                {"text_identical", identical}};
+    if (!flags.plot.empty()) out["plot"] = flags.plot;
+    std::cout << out.dump(-1, ' ', false, Json::error_handler_t::replace) << std::endl;
+  } else {
+    std::printf("--- plain vs speculative decoding, %s ---\n", target->device_description().c_str());
+    std::printf("%-22s %6s %8s %9s\n", "", "tokens", "seconds", "tokens/s");
+    std::printf("%-22s %6ld %8.2f %9.1f\n", "plain", plain.tokens, plain.seconds, plain.tokens_per_s());
+    std::printf("%-22s %6ld %8.2f %9.1f\n", "speculative", speculative.tokens, speculative.seconds,
+                speculative.tokens_per_s());
+    std::printf("%-22s %.2fx\n", "speed-up", speedup);
+    std::printf("%-22s %.2f tokens per target forward (%ld verify rounds)\n", "tau", stats.tau(), stats.rounds);
+    std::printf("%-22s", "acceptance by position");
+    for (double rate : acceptance) std::printf(" %.2f", rate);
+    std::printf("\n");
+    if (greedy)
+      std::printf("%-22s %s\n", "text identical", identical ? "yes" : "NO");
+    else
+      std::printf("%-22s %s (sampling: each mode draws its own sample of the target's distribution)\n",
+                  "text identical", identical ? "yes" : "no");
+    std::printf(
+        "(drafter %s, gamma %d, schedule %s, temperature %g; each mode timed after an untimed warm-up "
+        "pass, prompt processing included)\n",
+        shown(flags.draft).c_str(), gamma, flags.schedule.c_str(), flags.temperature);
+    if (!flags.plot.empty()) std::printf("wrote %s\n", flags.plot.c_str());
+    std::fflush(stdout);
+  }
+  if (greedy && !identical) {
+    const long at = first_difference(plain.outputs[0], speculative.outputs[0]);
+    fail("speculative decoding did not reproduce plain greedy decoding (first difference at generated token ", at,
+         "): a bug, please report it");
+  }
+}
+
+}  // namespace
+
+void add_demo_command(CLI::App& app) {
+  auto flags = std::make_shared<DemoFlags>();
+  CLI::App* command = app.add_subcommand(
+      "demo", "Plain vs speculative decoding of one prompt with the shipped target and drafter: text, speeds, tau");
+  command->add_option("-m,--model", flags->model, "the target's HF model directory")->capture_default_str();
+  command->add_option("-d,--draft", flags->draft, "a DSpark drafter for that target")->capture_default_str();
+  command->add_option("-p,--prompt", flags->prompt,
+                      std::string("prompt text, used as given (default: ") + kDefaultPromptFile + " line " +
+                          std::to_string(kDefaultPromptLine) + ")");
+  command->add_option("-n,--max-tokens", flags->max_new_tokens, "tokens to generate")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  command->add_option("--temperature", flags->temperature, "0 = greedy (the texts must then be identical)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  command->add_option("--seed", flags->seed, "sampling seed")->capture_default_str();
+  command->add_option("--gamma", flags->gamma, "most tokens drafted per round (default: the drafter's)")
+      ->check(CLI::Range(1, 64));
+  command
+      ->add_option("--schedule", flags->schedule,
+                   "how much of each draft is verified: off (all), threshold (the drafter's calibrated "
+                   "thresholds) or alg1 (the prefix scheduler)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"off", "threshold", "alg1"}));
+  command->add_flag("--ignore-eos", flags->ignore_eos, "keep generating past end-of-sequence tokens");
+  command->add_option("--plot", flags->plot, "write acceptance by draft position to this PNG");
+  command->add_flag("--json", flags->json, "print one JSON object instead of the text and report");
+  add_device_option(*command, flags->device);
+  command->callback([flags] { run_demo(*flags); });
+}
+
+}  // namespace dspark::cli
