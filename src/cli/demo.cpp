@@ -145,6 +145,7 @@ void run_demo(const DemoFlags& flags) {
   const double speedup = speculative.tokens_per_s() / plain.tokens_per_s();
   const SpeculativeStats& stats = speculative.stats;
   const std::vector<double> acceptance = stats.acceptance_by_position();
+  const double verified_per_round = stats.rounds ? double(stats.drafted) / stats.rounds : 0.0;
   if (!flags.plot.empty()) {
     PlotSeries series{"acceptance", {}, {}, true, false, Marker::circle};
     for (size_t k = 0; k < acceptance.size(); ++k) {
@@ -184,6 +185,7 @@ void run_demo(const DemoFlags& flags) {
                 {"speedup", speedup},
                 {"tau", stats.tau()},
                 {"rounds", stats.rounds},
+                {"verified_per_round", verified_per_round},
                 {"acceptance_by_position", acceptance},
                 {"text_identical", identical}};
     if (!flags.plot.empty()) out["plot"] = flags.plot;
@@ -195,10 +197,11 @@ void run_demo(const DemoFlags& flags) {
     std::printf("%-22s %6ld %8.2f %9.1f\n", "speculative", speculative.tokens, speculative.seconds,
                 speculative.tokens_per_s());
     std::printf("%-22s %.2fx\n", "speed-up", speedup);
-    std::printf("%-22s %.2f tokens per target forward (%ld verify rounds)\n", "tau", stats.tau(), stats.rounds);
+    std::printf("%-22s %.2f tokens per target forward (%ld verify rounds, %.2f drafted tokens verified per round)\n",
+                "tau", stats.tau(), stats.rounds, verified_per_round);
     std::printf("%-22s", "acceptance by position");
     for (double rate : acceptance) std::printf(" %.2f", rate);
-    std::printf("\n");
+    std::printf("%s\n", acceptance.empty() ? " (no drafted token was verified)" : "");
     if (greedy)
       std::printf("%-22s %s\n", "text identical", identical ? "yes" : "NO");
     else
