@@ -1,17 +1,573 @@
+// The forwards' two paths (see matmul.h): OpenBLAS for many rows, and for few
+// rows an own kernel.
+//
+// Why an own kernel: for 2-16 rows sgemm first packs the whole weight matrix
+// (reads it and writes a copy, then reads the copy), so a verify of k tokens
+// moved ~3x the weight bytes of a decode step and cost 2-3.5x a step on a
+// 2-core machine whose decode is memory-bound. The small-row kernel reads each
+// weight element once from memory and uses it for every row while it sits in
+// L1 (registers, in fact): the extra rows cost FLOPs, not bytes.
+//
+// Two layouts:
+//   [out, in] (matmul_forward): a tile of F weight rows x R activation rows
+//     keeps F*R vector accumulators of partial dot products along `in`,
+//     summed across lanes at the end (the "dot" tile).
+//   [in, out] (matmul_in_out_forward): a tile of R rows x C output columns
+//     keeps R*C/W vector accumulators; each weight row segment is loaded once
+//     and multiplied by R broadcast activations (the "axpy" tile).
+// Tile shapes are chosen per row count so the accumulators fill most of the
+// vector registers (16 with AVX2, 32 with AVX-512) without spilling.
+//
+// Instruction sets: the kernels are written once with GCC vector extensions
+// and compiled three times, for x86-64-v4 (AVX-512, 16 floats a vector),
+// x86-64-v3 (AVX2 + FMA, 8) and the baseline (SSE2, 4); the widest the CPU
+// supports is picked once at run time, so the binary runs on any x86-64.
+// FMA contraction comes from GCC's default -ffp-contract=fast (GNU dialect).
+//
+// Threads: a product is cut into chunks of output features that the calling
+// thread and the pool's workers claim one at a time from a shared counter.
+// Claiming (rather than a fixed split) matters on a shared 2-core machine: a
+// worker the scheduler has not run yet simply claims nothing, and the caller
+// never waits for work nobody started. Workers spin briefly after each product
+// (a decode step issues ~60 of 50-500 us each, a few us apart) and then sleep
+// on a futex. The pool has openblas_get_num_threads() threads, caller included,
+// so together with OpenBLAS (used by the same process for prefill and
+// attention) it never runs more compute threads than OpenBLAS was given. Own
+// threads rather than OpenMP: no second runtime whose spinning pool competes
+// with OpenBLAS's, and no libgomp to link into every binary.
 #include "kernels/cpu/matmul.h"
 
 #include <cblas.h>
 
-namespace dspark::cpu {
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
 
-void matmul_forward(float* out, const float* x, const float* weight, const float* bias, int rows,
-                    int in_features, int out_features) {
-  if (rows == 1) {  // decode: a matrix-vector product streams the weight once
-    cblas_sgemv(CblasRowMajor, CblasNoTrans, out_features, in_features, 1.0f, weight, in_features,
-                x, 1, 0.0f, out, 1);
+#include "core/error.h"
+
+// The vector types below are wider than the baseline ABI's registers; they
+// never cross a call (everything is inlined into the per-target entry points),
+// so GCC's note that passing them would change the ABI does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace dspark::cpu {
+namespace {
+
+// ---- the pool ------------------------------------------------------------------
+
+// Runs task(context, chunk) for every chunk in [0, chunks) on the calling
+// thread and the workers; returns when all chunks are done.
+class WorkerPool {
+ public:
+  using Task = void (*)(const void* context, int chunk);
+
+  // Never destroyed: the workers may still be polling while the process exits,
+  // and a forked child (which has no workers) must not try to join them.
+  static WorkerPool& instance() {
+    static WorkerPool* const pool = new WorkerPool(std::max(1, openblas_get_num_threads()));
+    return *pool;
+  }
+
+  int threads() const { return workers_ + 1; }
+
+  void run(Task task, const void* context, int chunks) {
+    // One product at a time; a second thread calling meanwhile runs alone.
+    std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
+    if (!lock.owns_lock() || workers_ == 0 || chunks <= 1 || chunks > kMaxChunks) {
+      for (int chunk = 0; chunk < chunks; ++chunk) task(context, chunk);
+      return;
+    }
+    task_ = task;
+    context_ = context;
+    unfinished_.store(chunks, std::memory_order_relaxed);
+    generation_ = (generation_ + 1) & 0xffffffffu;
+    state_.store(generation_ << 32 | uint64_t(chunks) << 16, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      wake_.fetch_add(1, std::memory_order_seq_cst);
+      wake_.notify_all();
+    }
+    work(generation_);
+    // Chunks a worker claimed may still be running.
+    while (unfinished_.load(std::memory_order_acquire) != 0) pause();
+  }
+
+ private:
+  static constexpr int kMaxChunks = 0xffff;
+  // How long an idle worker polls for the next product before sleeping: longer
+  // than the gaps between the products of one decode step.
+  static constexpr std::chrono::microseconds kSpin{300};
+
+  explicit WorkerPool(int threads) {
+    for (int i = 1; i < threads; ++i) std::thread([this] { worker_loop(); }).detach();
+    workers_ = threads - 1;
+  }
+
+  static void pause() { __builtin_ia32_pause(); }
+
+  // Claims and runs chunks of product `generation` until none is left. The
+  // state word holds generation << 32 | chunks << 16 | next chunk, so a claim
+  // (one compare-and-swap) can never take a chunk of a later product.
+  void work(uint64_t generation) {
+    uint64_t state = state_.load(std::memory_order_acquire);
+    for (;;) {
+      if (state >> 32 != generation) return;
+      const uint64_t chunks = state >> 16 & 0xffff, next = state & 0xffff;
+      if (next >= chunks) return;
+      if (!state_.compare_exchange_weak(state, state + 1, std::memory_order_acq_rel, std::memory_order_acquire))
+        continue;
+      // task_/context_ stay valid: the caller waits for this chunk to finish.
+      task_(context_, static_cast<int>(next));
+      unfinished_.fetch_sub(1, std::memory_order_release);
+      state = state_.load(std::memory_order_acquire);
+    }
+  }
+
+  [[noreturn]] void worker_loop() {
+    uint64_t seen = 0;
+    for (;;) {
+      uint64_t generation = state_.load(std::memory_order_acquire) >> 32;
+      if (generation == seen) {
+        const auto deadline = std::chrono::steady_clock::now() + kSpin;
+        for (int spin = 1; generation == seen; ++spin) {
+          pause();
+          generation = state_.load(std::memory_order_acquire) >> 32;
+          if (spin % 256 == 0 && std::chrono::steady_clock::now() > deadline) break;
+        }
+      }
+      while (generation == seen) {  // sleep until the caller bumps wake_
+        const uint32_t ticket = wake_.load(std::memory_order_seq_cst);
+        sleepers_.fetch_add(1, std::memory_order_seq_cst);
+        generation = state_.load(std::memory_order_seq_cst) >> 32;
+        if (generation == seen) wake_.wait(ticket, std::memory_order_seq_cst);
+        sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+        generation = state_.load(std::memory_order_acquire) >> 32;
+      }
+      seen = generation;
+      work(generation);
+    }
+  }
+
+  int workers_ = 0;
+  std::mutex busy_;
+  uint64_t generation_ = 0;  // of the last product run (caller side)
+  Task task_ = nullptr;
+  const void* context_ = nullptr;
+  std::atomic<uint64_t> state_{0};
+  std::atomic<int> unfinished_{0};  // chunks not yet finished
+  std::atomic<uint32_t> wake_{0};   // futex word the sleepers wait on
+  std::atomic<int> sleepers_{0};
+};
+
+// Products smaller than this many multiply-adds run on the calling thread
+// alone: waking a worker would cost more than it saves.
+constexpr long kMinParallelWork = 1L << 16;
+
+// ---- vector helpers ----------------------------------------------------------
+
+template <int W>
+struct Floats {
+  typedef float Vector __attribute__((vector_size(W * sizeof(float))));
+};
+
+template <class V>
+[[gnu::always_inline]] inline V load(const float* source) {
+  V value;
+  std::memcpy(&value, source, sizeof value);
+  return value;
+}
+
+template <class V>
+[[gnu::always_inline]] inline void store(float* destination, V value) {
+  std::memcpy(destination, &value, sizeof value);
+}
+
+// Lane sums of many accumulators at once. combine(u, v) with G lanes per
+// accumulator in u and v (each holding W / G accumulators) adds the two halves
+// of every accumulator's lanes and packs the results, u's then v's, into one
+// vector with G / 2 lanes per accumulator: two shuffles and one add for what
+// takes a shuffle and an add per accumulator one at a time. A tree of them
+// turns W accumulators into one vector of their W sums, in order.
+template <int W, int G, int K, int Upper>
+constexpr int combine_lane() {
+  const int j = K < W / 2 ? K : K - W / 2, source = K < W / 2 ? 0 : W;
+  return source + j / (G / 2) * G + Upper * (G / 2) + j % (G / 2);
+}
+
+template <int W, int G, class V, size_t... K>
+[[gnu::always_inline]] inline V combine(V u, V v, std::index_sequence<K...>) {
+  return __builtin_shufflevector(u, v, combine_lane<W, G, int(K), 0>()...) +
+         __builtin_shufflevector(u, v, combine_lane<W, G, int(K), 1>()...);
+}
+
+// N (a power of two, <= W) accumulators from acc[First]: a vector holding N
+// groups of W / N lanes, group k summing to accumulator k.
+template <int W, int N, int First, class V, int Count>
+[[gnu::always_inline]] inline V reduce_tree(const V (&acc)[Count]) {
+  if constexpr (N == 1) {
+    return acc[First];
   } else {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, out_features, in_features, 1.0f, x,
-                in_features, weight, in_features, 0.0f, out, out_features);
+    return combine<W, 2 * W / N>(reduce_tree<W, N / 2, First>(acc), reduce_tree<W, N / 2, First + N / 2>(acc),
+                                 std::make_index_sequence<W>());
+  }
+}
+
+// sums[k] = the sum of acc[k]'s lanes, for acc[First .. Count).
+template <int W, int First, class V, int Count>
+[[gnu::always_inline]] inline void sum_lanes(const V (&acc)[Count], float* sums) {
+  if constexpr (First < Count) {
+    constexpr int kLeft = Count - First;
+    constexpr int kGroup = kLeft >= W       ? W
+                           : kLeft >= W / 2 ? W / 2
+                           : kLeft >= W / 4 ? W / 4
+                           : kLeft >= 8     ? 8
+                           : kLeft >= 4     ? 4
+                           : kLeft >= 2     ? 2
+                                            : 1;
+    V tree = reduce_tree<W, kGroup, First>(acc);
+    // Fewer than W accumulators: keep halving each group within the vector.
+    if constexpr (kGroup <= W / 2) tree = combine<W, W / kGroup>(tree, tree, std::make_index_sequence<W>());
+    if constexpr (kGroup <= W / 4) tree = combine<W, W / kGroup / 2>(tree, tree, std::make_index_sequence<W>());
+    if constexpr (kGroup <= W / 8) tree = combine<W, W / kGroup / 4>(tree, tree, std::make_index_sequence<W>());
+    if constexpr (kGroup <= W / 16) tree = combine<W, W / kGroup / 8>(tree, tree, std::make_index_sequence<W>());
+#pragma GCC unroll 16
+    for (int k = 0; k < kGroup; ++k) sums[First + k] = tree[k];
+    sum_lanes<W, First + kGroup>(acc, sums);
+  }
+}
+
+// ---- [out, in]: dot tiles ------------------------------------------------------
+
+struct DotProblem {
+  float* out;
+  const float* x;
+  const float* weight;
+  const float* bias;
+  int rows, in, out_features;
+  int chunk_features;  // output features per chunk of the pool
+};
+
+// out[r, f] = bias[f] + Σ_i x[r, i] weight[f, i] for Features weight rows from
+// `feature` and Rows activation rows from `row`. With Prefetch (a tile that
+// has a successor) the next tile's weight rows are requested into L2 as this
+// one's are used, in every row block, so memory stays busy while the later row
+// blocks compute on this tile from L1: without it a cold product cost the
+// memory time plus the compute time instead of about the larger of the two
+// (384 x 8192 at 16 rows: 2.7 -> 1.5 ms on one core; docs/PERF.md).
+template <int W, int Features, int Rows, bool Prefetch = false>
+[[gnu::always_inline]] inline void dot_tile(const DotProblem& p, int feature, int row) {
+  using V = typename Floats<W>::Vector;
+  const int in = p.in, vector_end = in - in % W;
+  const float* x = p.x + long(row) * in;
+  const float* weight = p.weight + long(feature) * in;
+  V sums[Features * Rows];  // [feature][row]
+#pragma GCC unroll 64
+  for (int k = 0; k < Features * Rows; ++k) sums[k] = V{};
+  for (int i = 0; i < vector_end; i += W) {
+    V w[Features];
+#pragma GCC unroll 16
+    for (int f = 0; f < Features; ++f) w[f] = load<V>(weight + long(f) * in + i);
+    if constexpr (Prefetch)
+#pragma GCC unroll 16
+      for (int f = 0; f < Features; ++f) __builtin_prefetch(weight + long(Features + f) * in + i, 0, 2);
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+      const V activation = load<V>(x + long(r) * in + i);
+#pragma GCC unroll 16
+      for (int f = 0; f < Features; ++f) sums[f * Rows + r] += w[f] * activation;
+    }
+  }
+  float totals[Features * Rows];
+  sum_lanes<W, 0>(sums, totals);
+  for (int f = 0; f < Features; ++f)
+    for (int r = 0; r < Rows; ++r) {
+      float sum = totals[f * Rows + r];
+      for (int i = vector_end; i < in; ++i) sum += x[long(r) * in + i] * weight[long(f) * in + i];
+      if (p.bias) sum += p.bias[feature + f];
+      p.out[long(row + r) * p.out_features + feature + f] = sum;
+    }
+}
+
+// Weight rows per dot tile of Rows activation rows: as many as fit the
+// accumulators (Features * Rows) and one vector of each operand in Registers.
+constexpr int dot_features_for(int registers, int rows) { return std::clamp((registers - rows) / (rows + 1), 1, 8); }
+
+// Weight rows [begin, end) against all activation rows, in row blocks of Rows
+// or Rows - 1 (balanced); each weight tile is reused across the row blocks
+// while it is in L1.
+template <int W, int Registers, int Rows>
+[[gnu::always_inline]] inline void dot_features(const DotProblem& p, int begin, int end, int blocks) {
+  constexpr int kFeatures = dot_features_for(Registers, Rows);
+  constexpr int kFewer = Rows > 1 ? Rows - 1 : 1;
+  int feature = begin;
+  for (; feature + kFeatures <= end; feature += kFeatures) {
+    const bool next = feature + 2 * kFeatures <= end;  // a next tile to prefetch
+    for (int block = 0, row = 0; block < blocks; ++block) {
+      const int count = (p.rows - row) / (blocks - block) + ((p.rows - row) % (blocks - block) != 0);
+      if (next) {
+        if (count == Rows)
+          dot_tile<W, kFeatures, Rows, true>(p, feature, row);
+        else
+          dot_tile<W, kFeatures, kFewer, true>(p, feature, row);
+      } else {
+        if (count == Rows)
+          dot_tile<W, kFeatures, Rows>(p, feature, row);
+        else
+          dot_tile<W, kFeatures, kFewer>(p, feature, row);
+      }
+      row += count;
+    }
+  }
+  for (; feature < end; ++feature)
+    for (int block = 0, row = 0; block < blocks; ++block) {
+      const int count = (p.rows - row) / (blocks - block) + ((p.rows - row) % (blocks - block) != 0);
+      if (count == Rows)
+        dot_tile<W, 1, Rows>(p, feature, row);
+      else
+        dot_tile<W, 1, kFewer>(p, feature, row);
+      row += count;
+    }
+}
+
+// Picks the row block for `largest` (the biggest of the balanced blocks).
+template <int W, int Registers, int Rows>
+[[gnu::always_inline]] inline void dot_rows(const DotProblem& p, int begin, int end, int blocks, int largest) {
+  if constexpr (Rows > 1)
+    if (largest < Rows) return dot_rows<W, Registers, Rows - 1>(p, begin, end, blocks, largest);
+  dot_features<W, Registers, Rows>(p, begin, end, blocks);
+}
+
+// One chunk of output features. Registers: the instruction set's vector
+// registers, less one or two for the compiler; MaxRows: the row block.
+template <int W, int Registers, int MaxRows>
+[[gnu::always_inline]] inline void dot_chunk(const DotProblem& p, int chunk) {
+  const int begin = chunk * p.chunk_features, end = std::min(p.out_features, begin + p.chunk_features);
+  const int blocks = (p.rows + MaxRows - 1) / MaxRows;
+  const int largest = (p.rows + blocks - 1) / blocks;
+  dot_rows<W, Registers, MaxRows>(p, begin, end, blocks, largest);
+}
+
+// Register budgets and row blocks, measured on Zen 4 (docs/PERF.md): with
+// AVX-512's 32 registers, blocks of 4 rows and 5 weight rows (20 accumulators,
+// 9 operand vectors) beat 3, 5 and 6 rows; with AVX2's 16, blocks of 3 rows
+// and 3 weight rows beat 2 and 4 rows. Larger tiles made GCC spill.
+__attribute__((target("arch=x86-64-v4"))) void dot_chunk_avx512(const void* problem, int chunk) {
+  dot_chunk<16, 30, 4>(*static_cast<const DotProblem*>(problem), chunk);
+}
+__attribute__((target("arch=x86-64-v3"))) void dot_chunk_avx2(const void* problem, int chunk) {
+  dot_chunk<8, 15, 3>(*static_cast<const DotProblem*>(problem), chunk);
+}
+void dot_chunk_baseline(const void* problem, int chunk) {
+  dot_chunk<4, 15, 3>(*static_cast<const DotProblem*>(problem), chunk);
+}
+
+// ---- [in, out]: axpy tiles -----------------------------------------------------
+
+struct AxpyProblem {
+  float* out;
+  const float* x;
+  const float* weight;
+  int rows, in, out_features;
+  int chunk_columns;  // output columns per chunk of the pool
+};
+
+// out[r, c] = Σ_i x[r, i] weight[i, c] for Vectors * W columns from `column`
+// and Rows activation rows from `row`. (Prefetching the next column panel, as
+// dot_tile does the next tile, measured no faster here: the panel's rows are
+// separate streams the hardware prefetcher already follows.)
+template <int W, int Vectors, int Rows>
+[[gnu::always_inline]] inline void axpy_tile(const AxpyProblem& p, int column, int row) {
+  using V = typename Floats<W>::Vector;
+  const int in = p.in;
+  const long stride = p.out_features;
+  const float* x = p.x + long(row) * in;
+  const float* weight = p.weight + column;
+  V sums[Rows][Vectors];
+#pragma GCC unroll 64
+  for (int r = 0; r < Rows; ++r)
+#pragma GCC unroll 64
+    for (int v = 0; v < Vectors; ++v) sums[r][v] = V{};
+  for (int i = 0; i < in; ++i) {
+    V w[Vectors];
+#pragma GCC unroll 16
+    for (int v = 0; v < Vectors; ++v) w[v] = load<V>(weight + i * stride + v * W);
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+      const float activation = x[long(r) * in + i];
+#pragma GCC unroll 16
+      for (int v = 0; v < Vectors; ++v) sums[r][v] += w[v] * activation;
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r)
+#pragma GCC unroll 16
+    for (int v = 0; v < Vectors; ++v) store(p.out + long(row + r) * stride + column + v * W, sums[r][v]);
+}
+
+// Fewer than W columns: scalar.
+template <int Rows>
+[[gnu::always_inline]] inline void axpy_scalar_column(const AxpyProblem& p, int column, int row) {
+  float sums[Rows] = {};
+  for (int i = 0; i < p.in; ++i) {
+    const float w = p.weight[long(i) * p.out_features + column];
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) sums[r] += p.x[long(row + r) * p.in + i] * w;
+  }
+  for (int r = 0; r < Rows; ++r) p.out[long(row + r) * p.out_features + column] = sums[r];
+}
+
+template <int W, int Vectors, int Rows, int Fewer>
+[[gnu::always_inline]] inline void axpy_column_tile(const AxpyProblem& p, int column, int blocks) {
+  for (int block = 0, row = 0; block < blocks; ++block) {
+    const int count = (p.rows - row) / (blocks - block) + ((p.rows - row) % (blocks - block) != 0);
+    if constexpr (Vectors == 0) {
+      if (count == Rows)
+        axpy_scalar_column<Rows>(p, column, row);
+      else
+        axpy_scalar_column<Fewer>(p, column, row);
+    } else {
+      if (count == Rows)
+        axpy_tile<W, Vectors, Rows>(p, column, row);
+      else
+        axpy_tile<W, Vectors, Fewer>(p, column, row);
+    }
+    row += count;
+  }
+}
+
+// Column vectors per axpy tile of Rows activation rows: the accumulators
+// (Rows * Vectors), the weight vectors and one broadcast fit in Registers.
+constexpr int axpy_vectors_for(int registers, int rows) { return std::clamp((registers - 1) / (rows + 1), 1, 8); }
+
+// Columns [begin, end) against all activation rows in balanced row blocks of
+// Rows or Rows - 1; each column panel of the weight is reused across the row
+// blocks while it is in L1/L2.
+template <int W, int Registers, int Rows>
+[[gnu::always_inline]] inline void axpy_columns(const AxpyProblem& p, int begin, int end, int blocks) {
+  constexpr int kVectors = axpy_vectors_for(Registers, Rows);
+  constexpr int kFewer = Rows > 1 ? Rows - 1 : 1;
+  int column = begin;
+  for (; column + kVectors * W <= end; column += kVectors * W)
+    axpy_column_tile<W, kVectors, Rows, kFewer>(p, column, blocks);
+  for (; column + W <= end; column += W) axpy_column_tile<W, 1, Rows, kFewer>(p, column, blocks);
+  for (; column < end; ++column) axpy_column_tile<W, 0, Rows, kFewer>(p, column, blocks);
+}
+
+template <int W, int Registers, int Rows>
+[[gnu::always_inline]] inline void axpy_rows(const AxpyProblem& p, int begin, int end, int blocks, int largest) {
+  if constexpr (Rows > 1)
+    if (largest < Rows) return axpy_rows<W, Registers, Rows - 1>(p, begin, end, blocks, largest);
+  axpy_columns<W, Registers, Rows>(p, begin, end, blocks);
+}
+
+template <int W, int Registers, int MaxRows>
+[[gnu::always_inline]] inline void axpy_chunk(const AxpyProblem& p, int chunk) {
+  const int begin = chunk * p.chunk_columns, end = std::min(p.out_features, begin + p.chunk_columns);
+  const int blocks = (p.rows + MaxRows - 1) / MaxRows;
+  const int largest = (p.rows + blocks - 1) / blocks;
+  axpy_rows<W, Registers, MaxRows>(p, begin, end, blocks, largest);
+}
+
+// AVX-512: blocks of up to 8 rows (8 x 3 vectors, 48 columns); AVX2: 4 rows
+// x 2 vectors (16 columns). Both beat 6 and 12 (resp. 3 and 6) rows.
+__attribute__((target("arch=x86-64-v4"))) void axpy_chunk_avx512(const void* problem, int chunk) {
+  axpy_chunk<16, 30, 8>(*static_cast<const AxpyProblem*>(problem), chunk);
+}
+__attribute__((target("arch=x86-64-v3"))) void axpy_chunk_avx2(const void* problem, int chunk) {
+  axpy_chunk<8, 15, 4>(*static_cast<const AxpyProblem*>(problem), chunk);
+}
+void axpy_chunk_baseline(const void* problem, int chunk) {
+  axpy_chunk<4, 15, 4>(*static_cast<const AxpyProblem*>(problem), chunk);
+}
+
+// ---- dispatch ---------------------------------------------------------------------
+
+MatmulIsa widest_supported() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("x86-64-v4")) return MatmulIsa::Avx512;
+  if (__builtin_cpu_supports("x86-64-v3")) return MatmulIsa::Avx2;
+  return MatmulIsa::Baseline;
+}
+
+std::atomic<MatmulIsa>& chosen_isa() {
+  static std::atomic<MatmulIsa> chosen{widest_supported()};
+  return chosen;
+}
+
+// Chunks of `granule`-aligned output features: several per thread so a slow
+// thread delays the product by at most one chunk, one when the product is small.
+int chunk_size(long work, int out_features, int granule) {
+  const int threads = WorkerPool::instance().threads();
+  if (threads == 1 || work < kMinParallelWork) return out_features;
+  const int granules = (out_features + granule - 1) / granule;
+  const int chunks = std::min(granules, threads * 4);
+  return (granules + chunks - 1) / chunks * granule;
+}
+
+}  // namespace
+
+int matmul_threads() { return WorkerPool::instance().threads(); }
+
+MatmulIsa matmul_isa() { return chosen_isa().load(std::memory_order_relaxed); }
+
+bool matmul_isa_supported(MatmulIsa isa) { return int(isa) <= int(widest_supported()); }
+
+void set_matmul_isa(MatmulIsa isa) {
+  DSPARK_CHECK(matmul_isa_supported(isa), "this CPU lacks the instruction set ", matmul_isa_name(isa));
+  chosen_isa().store(isa, std::memory_order_relaxed);
+}
+
+const char* matmul_isa_name(MatmulIsa isa) {
+  switch (isa) {
+    case MatmulIsa::Avx512:
+      return "avx512";
+    case MatmulIsa::Avx2:
+      return "avx2";
+    default:
+      return "baseline";
+  }
+}
+
+void matmul_forward_small_rows(float* out, const float* x, const float* weight, const float* bias, int rows,
+                               int in_features, int out_features) {
+  if (rows <= 0 || out_features <= 0) return;
+  DotProblem problem{out, x, weight, bias, rows, in_features, out_features, 0};
+  // 24 features: a whole number of every dot tile's feature count (8, 6, 4, 3).
+  problem.chunk_features = chunk_size(long(rows) * in_features * out_features, out_features, 24);
+  const int chunks = (out_features + problem.chunk_features - 1) / problem.chunk_features;
+  const MatmulIsa isa = matmul_isa();
+  WorkerPool::instance().run(isa == MatmulIsa::Avx512 ? dot_chunk_avx512
+                             : isa == MatmulIsa::Avx2 ? dot_chunk_avx2
+                                                      : dot_chunk_baseline,
+                             &problem, chunks);
+}
+
+void matmul_in_out_forward_small_rows(float* out, const float* x, const float* weight, int rows, int in_features,
+                                      int out_features) {
+  if (rows <= 0 || out_features <= 0) return;
+  AxpyProblem problem{out, x, weight, rows, in_features, out_features, 0};
+  // 64 columns: whole vectors at every width, and whole 64-byte lines.
+  problem.chunk_columns = chunk_size(long(rows) * in_features * out_features, out_features, 64);
+  const int chunks = (out_features + problem.chunk_columns - 1) / problem.chunk_columns;
+  const MatmulIsa isa = matmul_isa();
+  WorkerPool::instance().run(isa == MatmulIsa::Avx512 ? axpy_chunk_avx512
+                             : isa == MatmulIsa::Avx2 ? axpy_chunk_avx2
+                                                      : axpy_chunk_baseline,
+                             &problem, chunks);
+}
+
+void matmul_forward_blas(float* out, const float* x, const float* weight, const float* bias, int rows, int in_features,
+                         int out_features) {
+  if (rows == 1) {
+    cblas_sgemv(CblasRowMajor, CblasNoTrans, out_features, in_features, 1.0f, weight, in_features, x, 1, 0.0f, out, 1);
+  } else {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, out_features, in_features, 1.0f, x, in_features, weight,
+                in_features, 0.0f, out, out_features);
   }
   if (bias)
     for (int row = 0; row < rows; ++row)
@@ -19,19 +575,8 @@ void matmul_forward(float* out, const float* x, const float* weight, const float
         out[static_cast<long>(row) * out_features + column] += bias[column];
 }
 
-void matmul_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight, int rows,
-                     int in_features, int out_features) {
-  if (rows == 0) return;
-  if (dx)
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, in_features, out_features, 1.0f, dout,
-                out_features, weight, in_features, 1.0f, dx, in_features);
-  if (dweight)
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, out_features, in_features, rows, 1.0f, dout, out_features,
-                x, in_features, 1.0f, dweight, in_features);
-}
-
-void matmul_in_out_forward(float* out, const float* x, const float* weight, int rows, int in_features,
-                           int out_features) {
+void matmul_in_out_forward_blas(float* out, const float* x, const float* weight, int rows, int in_features,
+                                int out_features) {
   if (rows == 1) {
     cblas_sgemv(CblasRowMajor, CblasTrans, in_features, out_features, 1.0f, weight, out_features, x, 1, 0.0f, out, 1);
   } else {
@@ -40,15 +585,42 @@ void matmul_in_out_forward(float* out, const float* x, const float* weight, int 
   }
 }
 
-void matmul_in_out_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight,
-                            int rows, int in_features, int out_features) {
+void matmul_forward(float* out, const float* x, const float* weight, const float* bias, int rows, int in_features,
+                    int out_features) {
+  if (rows <= kSmallRowsMax)
+    matmul_forward_small_rows(out, x, weight, bias, rows, in_features, out_features);
+  else
+    matmul_forward_blas(out, x, weight, bias, rows, in_features, out_features);
+}
+
+void matmul_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight, int rows,
+                     int in_features, int out_features) {
+  if (rows == 0) return;
+  if (dx)
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, in_features, out_features, 1.0f, dout, out_features,
+                weight, in_features, 1.0f, dx, in_features);
+  if (dweight)
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, out_features, in_features, rows, 1.0f, dout, out_features, x,
+                in_features, 1.0f, dweight, in_features);
+}
+
+void matmul_in_out_forward(float* out, const float* x, const float* weight, int rows, int in_features,
+                           int out_features) {
+  if (rows <= kSmallRowsMax)
+    matmul_in_out_forward_small_rows(out, x, weight, rows, in_features, out_features);
+  else
+    matmul_in_out_forward_blas(out, x, weight, rows, in_features, out_features);
+}
+
+void matmul_in_out_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight, int rows,
+                            int in_features, int out_features) {
   if (rows == 0) return;
   if (dx)
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, in_features, out_features, 1.0f, dout, out_features,
                 weight, out_features, 1.0f, dx, in_features);
   if (dweight)
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, in_features, out_features, rows, 1.0f, x, in_features,
-                dout, out_features, 1.0f, dweight, out_features);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, in_features, out_features, rows, 1.0f, x, in_features, dout,
+                out_features, 1.0f, dweight, out_features);
 }
 
 }  // namespace dspark::cpu

@@ -1,15 +1,27 @@
-// Matrix products of activations with weights, through OpenBLAS.
+// Matrix products of activations with weights.
 // Shapes: x [rows, in], weight [out, in] (the PyTorch nn.Linear layout, as
 // stored in HF checkpoints), bias [out] or null, out [rows, out].
 // Backward passes accumulate (+=) into every gradient they are given; a null
 // gradient pointer is skipped (a frozen weight, or an input that needs none).
+//
+// The forwards take one of two paths by row count. Up to kSmallRowsMax rows
+// (decode, and verifying a draft block) an own kernel streams each weight row
+// once and applies it to every activation row while it sits in L1, split over
+// output features across a small persistent pool of threads. Above that
+// (prefill, training) OpenBLAS sgemm, whose packing of the weight then pays
+// for itself. Both accumulate in f32; their summation orders differ.
 #pragma once
 
 namespace dspark::cpu {
 
+// The largest row count the forwards hand to the small-row kernel. Measured on
+// a 2-core AMD EPYC (Zen 4): the kernel beats sgemm by 3-10x at 2-16 rows on
+// the model's shapes and still by ~1.5x at 32 (docs/PERF.md, 2026-12-01).
+inline constexpr int kSmallRowsMax = 32;
+
 // out = x @ weight^T (+ bias)
-void matmul_forward(float* out, const float* x, const float* weight, const float* bias, int rows,
-                    int in_features, int out_features);
+void matmul_forward(float* out, const float* x, const float* weight, const float* bias, int rows, int in_features,
+                    int out_features);
 
 // dx [rows, in] += dout @ weight;  dweight [out, in] += dout^T @ x.  dout [rows, out].
 void matmul_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight, int rows,
@@ -20,7 +32,34 @@ void matmul_in_out_forward(float* out, const float* x, const float* weight, int 
                            int out_features);
 
 // dx [rows, in] += dout @ weight^T;  dweight [in, out] += x^T @ dout.  dout [rows, out].
-void matmul_in_out_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight,
-                            int rows, int in_features, int out_features);
+void matmul_in_out_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight, int rows,
+                            int in_features, int out_features);
+
+// The two paths of each forward, for the benchmark (bench/matmul_benchmark.cpp)
+// and the tests, which run each on shapes the dispatch would not give it.
+// The small-row kernels take any row count; they are fast for few rows.
+void matmul_forward_small_rows(float* out, const float* x, const float* weight, const float* bias, int rows,
+                               int in_features, int out_features);
+void matmul_in_out_forward_small_rows(float* out, const float* x, const float* weight, int rows, int in_features,
+                                      int out_features);
+// OpenBLAS: sgemv for one row, sgemm otherwise.
+void matmul_forward_blas(float* out, const float* x, const float* weight, const float* bias, int rows, int in_features,
+                         int out_features);
+void matmul_in_out_forward_blas(float* out, const float* x, const float* weight, int rows, int in_features,
+                                int out_features);
+
+// Threads the small-row kernels split a product over: the calling thread plus
+// the pool's workers (openblas_get_num_threads() in all, read once).
+int matmul_threads();
+
+// The instruction sets the small-row kernels are compiled for. The widest the
+// CPU supports is used unless set_matmul_isa picks a narrower one (tests run
+// every supported one; the benchmark compares them). Asking for one the CPU
+// lacks fails.
+enum class MatmulIsa { Baseline, Avx2, Avx512 };  // SSE2; AVX2 + FMA (x86-64-v3); AVX-512 (x86-64-v4)
+MatmulIsa matmul_isa();
+bool matmul_isa_supported(MatmulIsa isa);
+void set_matmul_isa(MatmulIsa isa);
+const char* matmul_isa_name(MatmulIsa isa);
 
 }  // namespace dspark::cpu

@@ -1,0 +1,144 @@
+// The CPU matmul forwards' two paths side by side at the shapes the models
+// use: OpenBLAS (sgemv for one row, sgemm otherwise) against the small-row
+// kernel, for 1-32 activation rows (decode is 1 row, verifying a block of k
+// drafted tokens is k rows).
+//
+// Target shapes (weight [out, in], matmul_forward) run "cold": each iteration
+// uses the next of enough weight copies to overflow the last-level cache, as
+// in a decode step, which streams every layer's weights from memory once.
+// Drafter shapes (weight [in, out], matmul_in_out_forward) run "hot" (one copy,
+// cache-resident), as the drafter's few MB of weights stay in L2/L3 between
+// its steps.
+//
+// --isa=avx2 (or baseline) runs the small-row kernel's narrower builds.
+// --hot runs every shape hot (to see the kernels' arithmetic apart from
+// memory), --cold every shape cold.
+//
+// Build: cmake --build build --target dspark_matmul_benchmark (needs Google
+// Benchmark, libbenchmark-dev; not part of ctest). Run e.g.
+//   build/dspark_matmul_benchmark --benchmark_filter='forward/.*/rows:8$'
+// Counters: weight_GBps (weight bytes read per second), GFLOPs.
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/random.h"
+#include "kernels/cpu/matmul.h"
+
+namespace {
+
+using dspark::Rng;
+
+// More weight bytes than any last-level cache this runs on (32 MB here).
+constexpr size_t kColdBytes = size_t(128) << 20;
+
+std::vector<float> random_floats(Rng& rng, size_t count) {
+  std::vector<float> values(count);
+  for (float& value : values) value = float(rng.uniform() * 2.0 - 1.0);
+  return values;
+}
+
+enum class Path { Blas, SmallRows };
+enum class Layout { OutIn, InOut };
+
+void run(benchmark::State& state, Path path, Layout layout, bool cold) {
+  const int in = int(state.range(0)), out = int(state.range(1)), rows = int(state.range(2));
+  Rng rng(7);
+  const size_t weight_size = size_t(in) * out;
+  const size_t copies = cold ? std::max<size_t>(1, kColdBytes / (weight_size * sizeof(float)) + 1) : 1;
+  const std::vector<float> weights = random_floats(rng, weight_size * copies);
+  const std::vector<float> x = random_floats(rng, size_t(rows) * in);
+  const std::vector<float> bias = random_floats(rng, out);
+  std::vector<float> y(size_t(rows) * out);
+  size_t copy = 0;
+  for (auto _ : state) {
+    const float* weight = weights.data() + copy * weight_size;
+    if (++copy == copies) copy = 0;
+    if (layout == Layout::OutIn) {
+      if (path == Path::Blas)
+        dspark::cpu::matmul_forward_blas(y.data(), x.data(), weight, nullptr, rows, in, out);
+      else
+        dspark::cpu::matmul_forward_small_rows(y.data(), x.data(), weight, nullptr, rows, in, out);
+    } else {
+      if (path == Path::Blas)
+        dspark::cpu::matmul_in_out_forward_blas(y.data(), x.data(), weight, rows, in, out);
+      else
+        dspark::cpu::matmul_in_out_forward_small_rows(y.data(), x.data(), weight, rows, in, out);
+    }
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  const double bytes = double(weight_size) * sizeof(float), flops = 2.0 * double(weight_size) * rows;
+  state.counters["weight_GBps"] =
+      benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+  state.counters["GFLOPs"] =
+      benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+}
+
+struct Shape {
+  int in, out;
+};
+
+enum class Weights { Default, Hot, Cold };
+
+void register_all(Weights weights) {
+  // Qwen3 target (hidden 384, intermediate 1408, 2 KV heads of 64, V 8192).
+  const std::vector<Shape> target = {{384, 384}, {384, 128}, {384, 1408}, {1408, 384}, {384, 8192}};
+  // Drafter (d 256, inner 512, 1536 = concatenated taps, 384 = target hidden).
+  const std::vector<Shape> drafter = {{256, 256}, {256, 512}, {512, 256}, {1536, 256}, {256, 384}};
+  const std::vector<int> rows = {1, 2, 4, 8, 16, 24, 32};
+  for (const auto& [layout, shapes, prefix] : {std::tuple{Layout::OutIn, target, std::string("forward")},
+                                               std::tuple{Layout::InOut, drafter, std::string("in_out")}})
+    for (const Shape& shape : shapes)
+      for (int row_count : rows)
+        for (Path path : {Path::Blas, Path::SmallRows}) {
+          const std::string name = prefix + (path == Path::Blas ? "/blas" : "/small_rows");
+          const bool cold = weights == Weights::Default ? layout == Layout::OutIn : weights == Weights::Cold;
+          benchmark::RegisterBenchmark(name.c_str(), run, path, layout, cold)
+              ->Args({shape.in, shape.out, row_count})
+              ->ArgNames({"in", "out", "rows"})
+              ->Unit(benchmark::kMicrosecond)
+              ->UseRealTime();
+        }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Weights weights = Weights::Default;
+  int kept = 1;
+  for (int i = 1; i < argc; ++i) {
+    const std::string argument = argv[i];
+    if (argument == "--hot") {
+      weights = Weights::Hot;
+    } else if (argument == "--cold") {
+      weights = Weights::Cold;
+    } else if (argument.rfind("--isa=", 0) == 0) {
+      bool known = false;
+      for (auto isa : {dspark::cpu::MatmulIsa::Baseline, dspark::cpu::MatmulIsa::Avx2, dspark::cpu::MatmulIsa::Avx512})
+        if (argument.substr(6) == dspark::cpu::matmul_isa_name(isa)) {
+          dspark::cpu::set_matmul_isa(isa);
+          known = true;
+        }
+      if (!known) {
+        std::fprintf(stderr, "unknown %s (avx512, avx2 or baseline)\n", argument.c_str());
+        return 1;
+      }
+    } else {
+      argv[kept++] = argv[i];
+    }
+  }
+  argc = kept;
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::AddCustomContext("matmul_threads", std::to_string(dspark::cpu::matmul_threads()));
+  benchmark::AddCustomContext("matmul_isa", dspark::cpu::matmul_isa_name(dspark::cpu::matmul_isa()));
+  register_all(weights);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,181 @@
+// The CPU matmul forwards against a plain double-precision reference, on odd
+// shapes: every row count the small-row kernel's tiles split differently
+// (1-17, and either side of the dispatch limit), in/out features that are not
+// multiples of any vector width or tile, with and without bias, under every
+// instruction set this CPU supports, and from two threads at once.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "core/random.h"
+#include "gradient_check.h"
+#include "kernels/cpu/matmul.h"
+
+namespace dspark {
+namespace {
+
+using cpu::MatmulIsa;
+using testing::random_values;
+
+enum class Layout { OutIn, InOut };  // weight [out, in] (matmul_forward) or [in, out]
+
+struct Case {
+  int rows, in, out;
+  std::vector<float> x, weight, bias;  // bias empty: none
+};
+
+Case make_case(Rng& rng, int rows, int in, int out, bool with_bias) {
+  Case c{rows, in, out, random_values(rng, size_t(rows) * in, 1.0f), random_values(rng, size_t(in) * out, 1.0f), {}};
+  if (with_bias) c.bias = random_values(rng, out, 1.0f);
+  return c;
+}
+
+// Compares `result` element by element with the double-precision product. The
+// allowed error scales with Σ|x_i w_i| (f32 rounding of the partial sums in any
+// order); dropping or repeating one term is ~1/in of that, far above the bound.
+void expect_matches_reference(const Case& c, Layout layout, const std::vector<float>& result, const char* what) {
+  ASSERT_EQ(result.size(), size_t(c.rows) * c.out);
+  int reported = 0;
+  for (int r = 0; r < c.rows; ++r)
+    for (int o = 0; o < c.out; ++o) {
+      double sum = c.bias.empty() ? 0.0 : c.bias[o], magnitude = std::fabs(sum);
+      for (int i = 0; i < c.in; ++i) {
+        const double w = layout == Layout::OutIn ? c.weight[size_t(o) * c.in + i] : c.weight[size_t(i) * c.out + o];
+        const double term = double(c.x[size_t(r) * c.in + i]) * w;
+        sum += term;
+        magnitude += std::fabs(term);
+      }
+      const double got = result[size_t(r) * c.out + o];
+      const bool close = std::fabs(got - sum) <= 1e-5 * magnitude + 1e-30;
+      if (!close && reported++ < 3)
+        ADD_FAILURE() << what << ": rows " << c.rows << " in " << c.in << " out " << c.out
+                      << (c.bias.empty() ? "" : " +bias") << " at [" << r << ", " << o << "]: " << got << ", reference "
+                      << sum;
+    }
+}
+
+// Runs one of the forwards on `c` into a buffer pre-filled with NaN (so an
+// element left unwritten fails).
+using Forward = void (*)(float* out, const Case& c);
+
+std::vector<float> run(Forward forward, const Case& c) {
+  std::vector<float> result(size_t(c.rows) * c.out, std::nanf(""));
+  forward(result.data(), c);
+  return result;
+}
+
+void small_rows_out_in(float* out, const Case& c) {
+  cpu::matmul_forward_small_rows(out, c.x.data(), c.weight.data(), c.bias.empty() ? nullptr : c.bias.data(), c.rows,
+                                 c.in, c.out);
+}
+void small_rows_in_out(float* out, const Case& c) {
+  cpu::matmul_in_out_forward_small_rows(out, c.x.data(), c.weight.data(), c.rows, c.in, c.out);
+}
+void dispatch_out_in(float* out, const Case& c) {
+  cpu::matmul_forward(out, c.x.data(), c.weight.data(), c.bias.empty() ? nullptr : c.bias.data(), c.rows, c.in, c.out);
+}
+void dispatch_in_out(float* out, const Case& c) {
+  cpu::matmul_in_out_forward(out, c.x.data(), c.weight.data(), c.rows, c.in, c.out);
+}
+
+// Restores the instruction set the process started with, whatever a test picked.
+class MatmulTest : public ::testing::Test {
+ protected:
+  void TearDown() override { cpu::set_matmul_isa(initial_); }
+  std::vector<MatmulIsa> supported() const {
+    std::vector<MatmulIsa> isas;
+    for (MatmulIsa isa : {MatmulIsa::Baseline, MatmulIsa::Avx2, MatmulIsa::Avx512})
+      if (cpu::matmul_isa_supported(isa)) isas.push_back(isa);
+    return isas;
+  }
+  MatmulIsa initial_ = cpu::matmul_isa();
+};
+
+// in/out: below, at and just past the vector widths (4, 8, 16) and tile sizes;
+// 389 x 203 is large enough to be split over the pool's threads.
+const int kIns[] = {1, 7, 16, 17, 45, 389};
+const int kOuts[] = {1, 5, 16, 23, 70, 203};
+
+TEST_F(MatmulTest, SmallRowsMatchReferenceOnOddShapes) {
+  Rng rng(11);
+  for (MatmulIsa isa : supported()) {
+    cpu::set_matmul_isa(isa);
+    SCOPED_TRACE(cpu::matmul_isa_name(isa));
+    for (int rows = 1; rows <= 17; ++rows)
+      for (int in : kIns)
+        for (int out : kOuts) {
+          const Case with_bias = make_case(rng, rows, in, out, true);
+          expect_matches_reference(with_bias, Layout::OutIn, run(small_rows_out_in, with_bias), "small-row [out, in]");
+          const Case plain = make_case(rng, rows, in, out, false);
+          expect_matches_reference(plain, Layout::OutIn, run(small_rows_out_in, plain), "small-row [out, in]");
+          expect_matches_reference(plain, Layout::InOut, run(small_rows_in_out, plain), "small-row [in, out]");
+        }
+  }
+}
+
+// The model's own shapes (hidden 384, intermediate 1408) and a row count the
+// tiles split unevenly, on every instruction set.
+TEST_F(MatmulTest, SmallRowsMatchReferenceOnModelShapes) {
+  Rng rng(12);
+  for (MatmulIsa isa : supported()) {
+    cpu::set_matmul_isa(isa);
+    SCOPED_TRACE(cpu::matmul_isa_name(isa));
+    for (const auto& [in, out] : {std::pair{384, 1408}, std::pair{1408, 384}, std::pair{1536, 256}})
+      for (int rows : {1, 9, 16}) {
+        const Case c = make_case(rng, rows, in, out, rows == 9);
+        expect_matches_reference(c, Layout::OutIn, run(small_rows_out_in, c), "small-row [out, in]");
+        Case unbiased = c;  // the [in, out] forward has no bias
+        unbiased.bias.clear();
+        expect_matches_reference(unbiased, Layout::InOut, run(small_rows_in_out, unbiased), "small-row [in, out]");
+      }
+  }
+}
+
+// Either side of the row count where the forwards switch to OpenBLAS.
+TEST_F(MatmulTest, DispatchMatchesReferenceAroundTheRowLimit) {
+  Rng rng(13);
+  for (int rows : {1, 2, cpu::kSmallRowsMax - 1, cpu::kSmallRowsMax, cpu::kSmallRowsMax + 1, 2 * cpu::kSmallRowsMax})
+    for (const auto& [in, out] : {std::pair{45, 70}, std::pair{389, 203}}) {
+      const Case with_bias = make_case(rng, rows, in, out, true);
+      expect_matches_reference(with_bias, Layout::OutIn, run(dispatch_out_in, with_bias), "matmul_forward");
+      const Case plain = make_case(rng, rows, in, out, false);
+      expect_matches_reference(plain, Layout::InOut, run(dispatch_in_out, plain), "matmul_in_out_forward");
+    }
+}
+
+TEST_F(MatmulTest, ZeroRowsWriteNothing) {
+  std::vector<float> out(4, 7.0f), x(4, 1.0f), weight(16, 1.0f);
+  cpu::matmul_forward_small_rows(out.data(), x.data(), weight.data(), nullptr, 0, 4, 4);
+  cpu::matmul_in_out_forward_small_rows(out.data(), x.data(), weight.data(), 0, 4, 4);
+  for (float value : out) EXPECT_EQ(value, 7.0f);
+}
+
+// Two threads multiplying at once: one gets the pool, the other runs alone;
+// both results must be whole and right.
+TEST_F(MatmulTest, ConcurrentCallersBothGetCorrectResults) {
+  Rng rng(14);
+  const Case first = make_case(rng, 8, 389, 203, true), second = make_case(rng, 5, 389, 203, false);
+  std::vector<std::vector<float>> results(2);
+  auto repeat = [](const Case& c, Forward forward, std::vector<float>& result) {
+    for (int i = 0; i < 200; ++i) {
+      std::vector<float> once = run(forward, c);
+      if (i == 0)
+        result = once;
+      else if (once != result)
+        result.assign(result.size(), std::nanf(""));  // must not vary between calls
+    }
+  };
+  std::thread a(repeat, std::cref(first), small_rows_out_in, std::ref(results[0]));
+  std::thread b(repeat, std::cref(second), small_rows_in_out, std::ref(results[1]));
+  a.join();
+  b.join();
+  expect_matches_reference(first, Layout::OutIn, results[0], "thread 1");
+  expect_matches_reference(second, Layout::InOut, results[1], "thread 2");
+}
+
+}  // namespace
+}  // namespace dspark
