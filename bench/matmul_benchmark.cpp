@@ -17,6 +17,7 @@
 // Build: cmake --build build --target dspark_matmul_benchmark (needs Google
 // Benchmark, libbenchmark-dev; not part of ctest). Run e.g.
 //   build/dspark_matmul_benchmark --benchmark_filter='forward/.*/rows:8$'
+// target_forward/*: all matmuls of one forward of the 19M-parameter target.
 // Counters: weight_GBps (weight bytes read per second), GFLOPs.
 #include <benchmark/benchmark.h>
 
@@ -83,9 +84,58 @@ struct Shape {
   int in, out;
 };
 
+// Every matmul of one target forward over `rows` tokens, in order, each layer
+// with its own weights (8 layers + LM head: 77 MB of f32, more than the last-
+// level cache): the matmul part of a decode step (rows 1) or of verifying a
+// block (rows k), without attention and the elementwise ops.
+void target_forward(benchmark::State& state, Path path) {
+  const int rows = int(state.range(0));
+  constexpr int kLayers = 8, kHidden = 384, kKv = 128, kInner = 1408, kVocab = 8192;
+  const std::vector<Shape> layer = {{kHidden, kHidden}, {kHidden, kKv},    {kHidden, kKv},   {kHidden, kHidden},
+                                    {kHidden, kInner},  {kHidden, kInner}, {kInner, kHidden}};
+  Rng rng(8);
+  std::vector<std::vector<float>> weights;
+  std::vector<Shape> shapes;
+  for (int l = 0; l < kLayers; ++l)
+    for (const Shape& shape : layer) shapes.push_back(shape);
+  shapes.push_back({kHidden, kVocab});
+  double bytes = 0, flops = 0;
+  for (const Shape& shape : shapes) {
+    weights.push_back(random_floats(rng, size_t(shape.in) * shape.out));
+    bytes += double(shape.in) * shape.out * sizeof(float);
+    flops += 2.0 * shape.in * shape.out * rows;
+  }
+  const std::vector<float> x = random_floats(rng, size_t(rows) * kInner);
+  std::vector<float> y(size_t(rows) * kVocab);
+  for (auto _ : state) {
+    for (size_t m = 0; m < shapes.size(); ++m) {
+      const Shape& shape = shapes[m];
+      if (path == Path::Blas)
+        dspark::cpu::matmul_forward_blas(y.data(), x.data(), weights[m].data(), nullptr, rows, shape.in, shape.out);
+      else
+        dspark::cpu::matmul_forward_small_rows(y.data(), x.data(), weights[m].data(), nullptr, rows, shape.in,
+                                               shape.out);
+    }
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["weight_GBps"] =
+      benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+  state.counters["GFLOPs"] =
+      benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+}
+
 enum class Weights { Default, Hot, Cold };
 
 void register_all(Weights weights) {
+  for (int row_count : {1, 2, 3, 4, 8, 16, 24, 32, 48, 64, 96, 128})
+    for (Path path : {Path::Blas, Path::SmallRows})
+      benchmark::RegisterBenchmark(path == Path::Blas ? "target_forward/blas" : "target_forward/small_rows",
+                                   target_forward, path)
+          ->Arg(row_count)
+          ->ArgName("rows")
+          ->Unit(benchmark::kMicrosecond)
+          ->UseRealTime();
   // Qwen3 target (hidden 384, intermediate 1408, 2 KV heads of 64, V 8192).
   const std::vector<Shape> target = {{384, 384}, {384, 128}, {384, 1408}, {1408, 384}, {384, 8192}};
   // Drafter (d 256, inner 512, 1536 = concatenated taps, 384 = target hidden).

@@ -93,8 +93,13 @@ class WorkerPool {
       wake_.notify_all();
     }
     work(generation_);
-    // Chunks a worker claimed may still be running.
-    while (unfinished_.load(std::memory_order_acquire) != 0) pause();
+    // Chunks a worker claimed may still be running (or, on a busy machine,
+    // waiting for a core: then give it ours now and then).
+    for (int spin = 1; unfinished_.load(std::memory_order_acquire) != 0; ++spin)
+      if (spin % 1024 == 0)
+        std::this_thread::yield();
+      else
+        pause();
   }
 
  private:
@@ -137,7 +142,12 @@ class WorkerPool {
         for (int spin = 1; generation == seen; ++spin) {
           pause();
           generation = state_.load(std::memory_order_acquire) >> 32;
-          if (spin % 256 == 0 && std::chrono::steady_clock::now() > deadline) break;
+          if (spin % 256 == 0) {
+            if (std::chrono::steady_clock::now() > deadline) break;
+            // On an oversubscribed machine let whatever shares this core run
+            // (it may be the thread that is about to hand out the next product).
+            if (spin % 1024 == 0) std::this_thread::yield();
+          }
         }
       }
       while (generation == seen) {  // sleep until the caller bumps wake_
@@ -259,8 +269,17 @@ struct DotProblem {
 // blocks compute on this tile from L1: without it a cold product cost the
 // memory time plus the compute time instead of about the larger of the two
 // (384 x 8192 at 16 rows: 2.7 -> 1.5 ms on one core; docs/PERF.md).
+// Where the next tile's prefetches have got to: `step` bytes further each
+// iteration, `lines` cache lines at a time, so that over all row blocks of a
+// tile the cursor covers exactly the next tile (whose weight rows are contiguous).
+struct Prefetcher {
+  const char* cursor;
+  long step;
+  int lines;
+};
+
 template <int W, int Features, int Rows, bool Prefetch = false>
-[[gnu::always_inline]] inline void dot_tile(const DotProblem& p, int feature, int row) {
+[[gnu::always_inline]] inline void dot_tile(const DotProblem& p, int feature, int row, Prefetcher& prefetcher) {
   using V = typename Floats<W>::Vector;
   const int in = p.in, vector_end = in - in % W;
   const float* x = p.x + long(row) * in;
@@ -272,9 +291,10 @@ template <int W, int Features, int Rows, bool Prefetch = false>
     V w[Features];
 #pragma GCC unroll 16
     for (int f = 0; f < Features; ++f) w[f] = load<V>(weight + long(f) * in + i);
-    if constexpr (Prefetch)
-#pragma GCC unroll 16
-      for (int f = 0; f < Features; ++f) __builtin_prefetch(weight + long(Features + f) * in + i, 0, 2);
+    if constexpr (Prefetch) {
+      for (int line = 0; line < prefetcher.lines; ++line) __builtin_prefetch(prefetcher.cursor + 64 * line, 0, 2);
+      prefetcher.cursor += prefetcher.step;
+    }
 #pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) {
       const V activation = load<V>(x + long(r) * in + i);
@@ -304,21 +324,25 @@ template <int W, int Registers, int Rows>
 [[gnu::always_inline]] inline void dot_features(const DotProblem& p, int begin, int end, int blocks) {
   constexpr int kFeatures = dot_features_for(Registers, Rows);
   constexpr int kFewer = Rows > 1 ? Rows - 1 : 1;
+  // The next tile's kFeatures * in floats, spread over blocks * (in / W) iterations.
+  const long step = std::max(1L, long(kFeatures) * W * long(sizeof(float)) / blocks);
+  Prefetcher prefetcher{nullptr, step, int((step + 63) / 64)};
   int feature = begin;
   for (; feature + kFeatures <= end; feature += kFeatures) {
     const bool next = feature + 2 * kFeatures <= end;  // a next tile to prefetch
+    prefetcher.cursor = reinterpret_cast<const char*>(p.weight + long(feature + kFeatures) * p.in);
     for (int block = 0, row = 0; block < blocks; ++block) {
       const int count = (p.rows - row) / (blocks - block) + ((p.rows - row) % (blocks - block) != 0);
       if (next) {
         if (count == Rows)
-          dot_tile<W, kFeatures, Rows, true>(p, feature, row);
+          dot_tile<W, kFeatures, Rows, true>(p, feature, row, prefetcher);
         else
-          dot_tile<W, kFeatures, kFewer, true>(p, feature, row);
+          dot_tile<W, kFeatures, kFewer, true>(p, feature, row, prefetcher);
       } else {
         if (count == Rows)
-          dot_tile<W, kFeatures, Rows>(p, feature, row);
+          dot_tile<W, kFeatures, Rows>(p, feature, row, prefetcher);
         else
-          dot_tile<W, kFeatures, kFewer>(p, feature, row);
+          dot_tile<W, kFeatures, kFewer>(p, feature, row, prefetcher);
       }
       row += count;
     }
@@ -327,9 +351,9 @@ template <int W, int Registers, int Rows>
     for (int block = 0, row = 0; block < blocks; ++block) {
       const int count = (p.rows - row) / (blocks - block) + ((p.rows - row) % (blocks - block) != 0);
       if (count == Rows)
-        dot_tile<W, 1, Rows>(p, feature, row);
+        dot_tile<W, 1, Rows>(p, feature, row, prefetcher);
       else
-        dot_tile<W, 1, kFewer>(p, feature, row);
+        dot_tile<W, 1, kFewer>(p, feature, row, prefetcher);
       row += count;
     }
 }

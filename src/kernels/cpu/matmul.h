@@ -5,7 +5,7 @@
 // gradient pointer is skipped (a frozen weight, or an input that needs none).
 //
 // The forwards take one of two paths by row count. Up to kSmallRowsMax rows
-// (decode, and verifying a draft block) an own kernel streams each weight row
+// (decode, verifying a draft block, drafting) an own kernel streams each weight row
 // once and applies it to every activation row while it sits in L1, split over
 // output features across a small persistent pool of threads. Above that
 // (prefill, training) OpenBLAS sgemm, whose packing of the weight then pays
@@ -15,9 +15,10 @@
 namespace dspark::cpu {
 
 // The largest row count the forwards hand to the small-row kernel. Measured on
-// a 2-core AMD EPYC (Zen 4): the kernel beats sgemm by 3-10x at 2-16 rows on
-// the model's shapes and still by ~1.5x at 32 (docs/PERF.md, 2026-12-01).
-inline constexpr int kSmallRowsMax = 32;
+// a 2-core AMD EPYC (Zen 4) over all matmuls of the 19M target's forward: the
+// kernel is 1.7-2.9x faster than OpenBLAS at 1-16 rows, still ~1.2x at 48-64,
+// about even at 96-128 (docs/PERF.md, CPU section); sgemm keeps prefill.
+inline constexpr int kSmallRowsMax = 64;
 
 // out = x @ weight^T (+ bias)
 void matmul_forward(float* out, const float* x, const float* weight, const float* bias, int rows, int in_features,
