@@ -6,12 +6,14 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 #include <unistd.h>
 
 #include "core/error.h"
 #include "core/json.h"
+#include "model/transformer.h"
 
 namespace dspark::testing {
 
@@ -23,6 +25,14 @@ inline std::filesystem::path golden_directory() {
 }
 
 inline std::filesystem::path golden_model(const std::string& name) { return golden_directory() / name; }
+
+// A golden checkpoint loaded once per test binary (tests only read it).
+inline const Transformer& golden_transformer(const std::string& name) {
+  static std::map<std::string, Transformer> models;
+  auto found = models.find(name);
+  if (found == models.end()) found = models.emplace(name, load_transformer(golden_model(name))).first;
+  return found->second;
+}
 
 inline Json golden_reference(const std::string& name, const std::string& file) {
   return read_json_file(golden_model(name) / "reference" / file);

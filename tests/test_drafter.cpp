@@ -38,10 +38,7 @@ DrafterConfig small_config(const std::string& head) {
   return config;
 }
 
-const Transformer& golden_target() {
-  static const Transformer target = load_transformer(golden_model("qwen3"));
-  return target;
-}
+const Transformer& golden_target() { return testing::golden_transformer("qwen3"); }
 
 TargetDims golden_dims() {
   const ModelConfig& c = golden_target().config;

@@ -22,6 +22,7 @@
 #include "golden.h"
 #include "gradient_check.h"
 #include "random_drafter.h"
+#include "train_golden.h"
 #include "spec/draft.h"
 #include "train/loss.h"
 
@@ -363,55 +364,18 @@ class LossGolden : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(LossGolden, TermsAndEveryGradientMatchPyTorch) {
   const std::string head = GetParam();
-  const auto directory = golden_model("train");
-  const Json reference = read_json_file(directory / "reference.json");
-  const SafetensorsFile inputs(directory / "inputs.safetensors");
-  const SafetensorsFile expected(directory / (head + ".safetensors"));
-  const Json& json_config = reference["config"];
-  DrafterConfig config;
-  config.gamma = json_config["gamma"];
-  config.d_draft = json_config["dDraft"];
-  config.num_layers = json_config["nLayers"];
-  config.num_heads = json_config["nHeads"];
-  config.markov_rank = json_config["markovRank"];
-  config.ff_mult = json_config["ffMult"];
-  config.tap_layers = json_config["tapLayers"].get<std::vector<int>>();
-  config.seq_head = head;
-  const TargetDims dims{reference["dims"]["hiddenSize"], reference["dims"]["vocabSize"], reference["dims"]["eps"]};
-  Drafter drafter = init_drafter(config, dims, "golden", 1);
+  const testing::TrainGolden golden = testing::load_train_golden(head);
+  const Json& reference = golden.reference;
+  const SafetensorsFile& expected = *golden.expected;
+  const Drafter& drafter = golden.drafter;
+  const TrainBatch& batch = golden.batch;
+  const LossWeights& weights = golden.weights;
   ASSERT_EQ(drafter.names, reference["heads"][head]["param_names"].get<std::vector<std::string>>());
-  for (const std::string& name : drafter.names) {
-    const Tensor stored = expected.load_f32("param." + name);
-    Tensor& parameter = drafter.parameters.at(name);
-    ASSERT_EQ(stored.shape, parameter.shape) << name;
-    std::copy_n(stored.data, stored.numel(), parameter.data);
-  }
-  const Tensor embedding = inputs.load_f32("embedding"), lm_head = inputs.load_f32("lm_head");
-  const Tensor context_rows = inputs.load_f32("context_rows"), target_hidden = inputs.load_f32("target_hidden");
 
-  const Json& json_batch = reference["batch"];
-  TrainBatch batch;
-  batch.gamma = config.gamma;
-  batch.hidden_size = dims.hidden_size;
-  batch.tap_width = static_cast<int>(config.tap_layers.size()) * dims.hidden_size;
-  batch.context_offsets = json_batch["context_offsets"].get<std::vector<int>>();
-  batch.context_rows.assign(context_rows.data, context_rows.data + context_rows.numel());
-  batch.anchors = json_batch["anchors"].get<std::vector<int32_t>>();
-  for (const auto& row : json_batch["targets"])
-    for (int32_t id : row.get<std::vector<int32_t>>()) batch.targets.push_back(id);
-  for (const auto& row : json_batch["mask"])
-    for (float value : row.get<std::vector<float>>()) batch.mask.push_back(value);
-  batch.target_hidden.assign(target_hidden.data, target_hidden.data + target_hidden.numel());
-
-  LossWeights weights;
-  weights.ce = reference["weights"]["ce"];
-  weights.l1 = reference["weights"]["l1"];
-  weights.bce = reference["weights"]["bce"];
-  weights.gamma_decay = reference["weights"]["gammaDecay"];
   LossWorkspace workspace;
   Gradients gradients = zero_gradients(drafter);
   const LossTerms terms =
-      drafter_loss(drafter, TargetHead{embedding.data, lm_head.data}, batch, weights, &gradients, workspace);
+      drafter_loss(drafter, golden.head(), batch, weights, &gradients, workspace);
   const Json& want = reference["heads"][head];
   EXPECT_EQ(terms.positions, want["positions"].get<long>());
   for (auto [ours, key] : {std::pair{terms.loss, "loss"}, std::pair{terms.ce, "ce"}, std::pair{terms.l1, "l1"},
@@ -426,7 +390,7 @@ TEST_P(LossGolden, TermsAndEveryGradientMatchPyTorch) {
   }
 
   // Gradients accumulate: a second call adds the same again.
-  drafter_loss(drafter, TargetHead{embedding.data, lm_head.data}, batch, weights, &gradients, workspace);
+  drafter_loss(drafter, golden.head(), batch, weights, &gradients, workspace);
   for (const std::string& name : drafter.names) {
     const Tensor theirs = expected.load_f32("grad." + name), ours = gradients.at(name);
     std::vector<double> a(ours.data, ours.data + ours.numel()), b(theirs.data, theirs.data + theirs.numel());

@@ -27,10 +27,7 @@ using testing::golden_model;
 using testing::run_dspark;
 using testing::TemporaryDirectory;
 
-const Transformer& golden_target() {
-  static const Transformer target = load_transformer(golden_model("qwen3"));
-  return target;
-}
+const Transformer& golden_target() { return testing::golden_transformer("qwen3"); }
 
 std::vector<RegenPrompt> golden_prompts(bool chat = false) {
   const Tokenizer tokenizer = Tokenizer::load(golden_model("qwen3"));

@@ -24,12 +24,7 @@ namespace {
 using testing::golden_model;
 using testing::golden_reference;
 
-const Transformer& golden(const std::string& name) {
-  static std::map<std::string, Transformer> models;
-  auto found = models.find(name);
-  if (found == models.end()) found = models.emplace(name, load_transformer(golden_model(name))).first;
-  return found->second;
-}
+const Transformer& golden(const std::string& name) { return testing::golden_transformer(name); }
 
 Drafter random_drafter(const ModelConfig& target, const std::string& head, int gamma, uint64_t seed, float scale) {
   DrafterConfig config;

@@ -25,10 +25,7 @@ using testing::golden_model;
 using testing::run_dspark;
 using testing::TemporaryDirectory;
 
-const Transformer& golden_target() {
-  static const Transformer target = load_transformer(golden_model("qwen3"));
-  return target;
-}
+const Transformer& golden_target() { return testing::golden_transformer("qwen3"); }
 
 TargetHead golden_head() { return target_head_of(golden_target()); }
 

@@ -45,6 +45,7 @@
 #include "model/tokenizer.h"
 #include "model/transformer.h"
 #include "random_drafter.h"
+#include "train_golden.h"
 #include "spec/draft.h"
 #include "train/cuda_loss.h"
 #include "train/cuda_optimizer.h"
@@ -517,48 +518,15 @@ class CudaLossGolden : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(CudaLossGolden, TermsAndEveryGradientMatchPyTorch) {
   const std::string head_kind = GetParam();
-  const auto directory = golden_model("train");
-  const Json reference = read_json_file(directory / "reference.json");
-  const SafetensorsFile inputs(directory / "inputs.safetensors");
-  const SafetensorsFile expected(directory / (head_kind + ".safetensors"));
-  const Json& json_config = reference["config"];
-  DrafterConfig config;
-  config.gamma = json_config["gamma"];
-  config.d_draft = json_config["dDraft"];
-  config.num_layers = json_config["nLayers"];
-  config.num_heads = json_config["nHeads"];
-  config.markov_rank = json_config["markovRank"];
-  config.ff_mult = json_config["ffMult"];
-  config.tap_layers = json_config["tapLayers"].get<std::vector<int>>();
-  config.seq_head = head_kind;
-  const TargetDims dims{reference["dims"]["hiddenSize"], reference["dims"]["vocabSize"], reference["dims"]["eps"]};
-  Drafter drafter = init_drafter(config, dims, "golden", 1);
-  for (const std::string& name : drafter.names) {
-    const Tensor stored = expected.load_f32("param." + name);
-    std::copy_n(stored.data, stored.numel(), drafter.parameters.at(name).data);
-  }
-  const Tensor embedding = inputs.load_f32("embedding"), lm_head = inputs.load_f32("lm_head");
-  const Tensor context_rows = inputs.load_f32("context_rows"), target_hidden = inputs.load_f32("target_hidden");
-  const Json& json_batch = reference["batch"];
-  TrainBatch batch;
-  batch.gamma = config.gamma;
-  batch.hidden_size = dims.hidden_size;
-  batch.tap_width = static_cast<int>(config.tap_layers.size()) * dims.hidden_size;
-  batch.context_offsets = json_batch["context_offsets"].get<std::vector<int>>();
-  batch.context_rows.assign(context_rows.data, context_rows.data + context_rows.numel());
-  batch.anchors = json_batch["anchors"].get<std::vector<int32_t>>();
-  for (const auto& row : json_batch["targets"])
-    for (int32_t id : row.get<std::vector<int32_t>>()) batch.targets.push_back(id);
-  for (const auto& row : json_batch["mask"])
-    for (float value : row.get<std::vector<float>>()) batch.mask.push_back(value);
-  batch.target_hidden.assign(target_hidden.data, target_hidden.data + target_hidden.numel());
-  LossWeights weights;
-  weights.ce = reference["weights"]["ce"];
-  weights.l1 = reference["weights"]["l1"];
-  weights.bce = reference["weights"]["bce"];
-  weights.gamma_decay = reference["weights"]["gammaDecay"];
+  const testing::TrainGolden golden = testing::load_train_golden(head_kind);
+  const Json& reference = golden.reference;
+  const SafetensorsFile& expected = *golden.expected;
+  const Drafter& drafter = golden.drafter;
+  const TargetDims& dims = drafter.dims;
+  const TrainBatch& batch = golden.batch;
+  const LossWeights& weights = golden.weights;
   const Json& want = reference["heads"][head_kind];
-  const TargetHead target{embedding.data, lm_head.data};
+  const TargetHead target = golden.head();
 
   // Plain f32 with an f32 head: as close to PyTorch's float64 as the CPU's f32 (which sees ~5e-7).
   for (bool training_precision : {false, true}) {
