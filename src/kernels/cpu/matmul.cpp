@@ -29,10 +29,11 @@
 // Claiming (rather than a fixed split) matters on a shared 2-core machine: a
 // worker the scheduler has not run yet simply claims nothing, and the caller
 // never waits for work nobody started. Workers spin briefly after each product
-// (a decode step issues ~60 of 50-500 us each, a few us apart) and then sleep
+// (a decode step issues ~60 of 20-500 us each, a few us apart) and then sleep
 // on a futex. The pool has openblas_get_num_threads() threads, caller included,
-// so together with OpenBLAS (used by the same process for prefill and
-// attention) it never runs more compute threads than OpenBLAS was given. Own
+// so together with OpenBLAS (used by the same process for prefill, training
+// and the drafter's attention) it never runs more compute threads than
+// OpenBLAS was given. Own
 // threads rather than OpenMP: no second runtime whose spinning pool competes
 // with OpenBLAS's, and no libgomp to link into every binary.
 #include "kernels/cpu/matmul.h"
@@ -174,9 +175,10 @@ class WorkerPool {
   std::atomic<int> sleepers_{0};
 };
 
-// Products smaller than this many multiply-adds run on the calling thread
-// alone: waking a worker would cost more than it saves.
-constexpr long kMinParallelWork = 1L << 16;
+// Products are split into chunks of at least this many multiply-adds (a few
+// microseconds); smaller ones run on the calling thread alone, where handing
+// work to a worker would cost more than it saves.
+constexpr long kMinChunkWork = 1L << 16;
 
 // ---- vector helpers ----------------------------------------------------------
 
@@ -251,6 +253,37 @@ template <int W, int First, class V, int Count>
   }
 }
 
+// ---- tile shapes per instruction set ---------------------------------------------
+
+// Register budgets and row blocks, measured on Zen 4 (docs/PERF.md): for dot
+// tiles with AVX-512's 32 registers, blocks of 4 rows and 5 weight rows (20
+// accumulators, 9 operand vectors) beat 3, 5 and 6 rows; with AVX2's 16, 3
+// rows x 3 weight rows beat 2 and 4 rows. For axpy tiles, AVX-512 blocks of up
+// to 8 rows (x 3 vectors) beat 6 and 12 rows; AVX2's 4 rows (x 2) beat 3 and 6.
+// Larger tiles made GCC spill.
+struct TileShapes {
+  int width;  // floats per vector
+  int dot_registers, dot_max_rows;
+  int axpy_registers, axpy_max_rows;
+};
+constexpr TileShapes kAvx512Tiles{16, 30, 4, 30, 8};
+constexpr TileShapes kAvx2Tiles{8, 15, 3, 15, 4};
+constexpr TileShapes kBaselineTiles{4, 15, 3, 15, 4};
+
+// Weight rows per dot tile of `rows` activation rows: as many as fit the
+// accumulators (features * rows) and one vector of each operand in `registers`.
+constexpr int dot_features_for(int registers, int rows) { return std::clamp((registers - rows) / (rows + 1), 1, 8); }
+
+// Column vectors per axpy tile of `rows` activation rows: the accumulators
+// (rows * vectors), the weight vectors and one broadcast fit in `registers`.
+constexpr int axpy_vectors_for(int registers, int rows) { return std::clamp((registers - 1) / (rows + 1), 1, 8); }
+
+// The largest of the balanced row blocks `rows` is cut into.
+constexpr int largest_row_block(int rows, int max_rows) {
+  const int blocks = (rows + max_rows - 1) / max_rows;
+  return (rows + blocks - 1) / blocks;
+}
+
 // ---- [out, in]: dot tiles ------------------------------------------------------
 
 struct DotProblem {
@@ -262,21 +295,23 @@ struct DotProblem {
   int chunk_features;  // output features per chunk of the pool
 };
 
-// out[r, f] = bias[f] + Σ_i x[r, i] weight[f, i] for Features weight rows from
-// `feature` and Rows activation rows from `row`. With Prefetch (a tile that
-// has a successor) the next tile's weight rows are requested into L2 as this
-// one's are used, in every row block, so memory stays busy while the later row
-// blocks compute on this tile from L1: without it a cold product cost the
-// memory time plus the compute time instead of about the larger of the two
-// (384 x 8192 at 16 rows: 2.7 -> 1.5 ms on one core; docs/PERF.md).
-// Where the next tile's prefetches have got to: `step` bytes further each
-// iteration, `lines` cache lines at a time, so that over all row blocks of a
-// tile the cursor covers exactly the next tile (whose weight rows are contiguous).
+// Where the prefetches of the next tile's weight rows (contiguous) have got
+// to: `step` bytes further each inner iteration, `lines` cache lines at a
+// time, so that over all row blocks of a tile the cursor covers exactly the
+// next tile, at the pace the current one is consumed.
 struct Prefetcher {
   const char* cursor;
   long step;
   int lines;
 };
+
+// out[r, f] = bias[f] + Σ_i x[r, i] weight[f, i] for Features weight rows from
+// `feature` and Rows activation rows from `row`. With Prefetch (a tile that
+// has a successor) the next tile is requested into L2 while this one is used,
+// so memory stays busy while the later row blocks compute on this tile from
+// L1: without it a cold product cost the memory time plus the compute time
+// instead of about the larger of the two (384 x 8192 at 16 rows, one core:
+// 2.7 -> 1.5-1.7 ms; docs/PERF.md).
 
 template <int W, int Features, int Rows, bool Prefetch = false>
 [[gnu::always_inline]] inline void dot_tile(const DotProblem& p, int feature, int row, Prefetcher& prefetcher) {
@@ -312,10 +347,6 @@ template <int W, int Features, int Rows, bool Prefetch = false>
       p.out[long(row + r) * p.out_features + feature + f] = sum;
     }
 }
-
-// Weight rows per dot tile of Rows activation rows: as many as fit the
-// accumulators (Features * Rows) and one vector of each operand in Registers.
-constexpr int dot_features_for(int registers, int rows) { return std::clamp((registers - rows) / (rows + 1), 1, 8); }
 
 // Weight rows [begin, end) against all activation rows, in row blocks of Rows
 // or Rows - 1 (balanced); each weight tile is reused across the row blocks
@@ -371,24 +402,21 @@ template <int W, int Registers, int Rows>
 template <int W, int Registers, int MaxRows>
 [[gnu::always_inline]] inline void dot_chunk(const DotProblem& p, int chunk) {
   const int begin = chunk * p.chunk_features, end = std::min(p.out_features, begin + p.chunk_features);
-  const int blocks = (p.rows + MaxRows - 1) / MaxRows;
-  const int largest = (p.rows + blocks - 1) / blocks;
+  const int blocks = (p.rows + MaxRows - 1) / MaxRows, largest = largest_row_block(p.rows, MaxRows);
   dot_rows<W, Registers, MaxRows>(p, begin, end, blocks, largest);
 }
 
-// Register budgets and row blocks, measured on Zen 4 (docs/PERF.md): with
-// AVX-512's 32 registers, blocks of 4 rows and 5 weight rows (20 accumulators,
-// 9 operand vectors) beat 3, 5 and 6 rows; with AVX2's 16, blocks of 3 rows
-// and 3 weight rows beat 2 and 4 rows. Larger tiles made GCC spill.
+template <const TileShapes& Tiles>
+[[gnu::always_inline]] inline void dot_chunk(const void* problem, int chunk) {
+  dot_chunk<Tiles.width, Tiles.dot_registers, Tiles.dot_max_rows>(*static_cast<const DotProblem*>(problem), chunk);
+}
 __attribute__((target("arch=x86-64-v4"))) void dot_chunk_avx512(const void* problem, int chunk) {
-  dot_chunk<16, 30, 4>(*static_cast<const DotProblem*>(problem), chunk);
+  dot_chunk<kAvx512Tiles>(problem, chunk);
 }
 __attribute__((target("arch=x86-64-v3"))) void dot_chunk_avx2(const void* problem, int chunk) {
-  dot_chunk<8, 15, 3>(*static_cast<const DotProblem*>(problem), chunk);
+  dot_chunk<kAvx2Tiles>(problem, chunk);
 }
-void dot_chunk_baseline(const void* problem, int chunk) {
-  dot_chunk<4, 15, 3>(*static_cast<const DotProblem*>(problem), chunk);
-}
+void dot_chunk_baseline(const void* problem, int chunk) { dot_chunk<kBaselineTiles>(problem, chunk); }
 
 // ---- [in, out]: axpy tiles -----------------------------------------------------
 
@@ -464,10 +492,6 @@ template <int W, int Vectors, int Rows, int Fewer>
   }
 }
 
-// Column vectors per axpy tile of Rows activation rows: the accumulators
-// (Rows * Vectors), the weight vectors and one broadcast fit in Registers.
-constexpr int axpy_vectors_for(int registers, int rows) { return std::clamp((registers - 1) / (rows + 1), 1, 8); }
-
 // Columns [begin, end) against all activation rows in balanced row blocks of
 // Rows or Rows - 1; each column panel of the weight is reused across the row
 // blocks while it is in L1/L2.
@@ -492,22 +516,21 @@ template <int W, int Registers, int Rows>
 template <int W, int Registers, int MaxRows>
 [[gnu::always_inline]] inline void axpy_chunk(const AxpyProblem& p, int chunk) {
   const int begin = chunk * p.chunk_columns, end = std::min(p.out_features, begin + p.chunk_columns);
-  const int blocks = (p.rows + MaxRows - 1) / MaxRows;
-  const int largest = (p.rows + blocks - 1) / blocks;
+  const int blocks = (p.rows + MaxRows - 1) / MaxRows, largest = largest_row_block(p.rows, MaxRows);
   axpy_rows<W, Registers, MaxRows>(p, begin, end, blocks, largest);
 }
 
-// AVX-512: blocks of up to 8 rows (8 x 3 vectors, 48 columns); AVX2: 4 rows
-// x 2 vectors (16 columns). Both beat 6 and 12 (resp. 3 and 6) rows.
+template <const TileShapes& Tiles>
+[[gnu::always_inline]] inline void axpy_chunk(const void* problem, int chunk) {
+  axpy_chunk<Tiles.width, Tiles.axpy_registers, Tiles.axpy_max_rows>(*static_cast<const AxpyProblem*>(problem), chunk);
+}
 __attribute__((target("arch=x86-64-v4"))) void axpy_chunk_avx512(const void* problem, int chunk) {
-  axpy_chunk<16, 30, 8>(*static_cast<const AxpyProblem*>(problem), chunk);
+  axpy_chunk<kAvx512Tiles>(problem, chunk);
 }
 __attribute__((target("arch=x86-64-v3"))) void axpy_chunk_avx2(const void* problem, int chunk) {
-  axpy_chunk<8, 15, 4>(*static_cast<const AxpyProblem*>(problem), chunk);
+  axpy_chunk<kAvx2Tiles>(problem, chunk);
 }
-void axpy_chunk_baseline(const void* problem, int chunk) {
-  axpy_chunk<4, 15, 4>(*static_cast<const AxpyProblem*>(problem), chunk);
-}
+void axpy_chunk_baseline(const void* problem, int chunk) { axpy_chunk<kBaselineTiles>(problem, chunk); }
 
 // ---- dispatch ---------------------------------------------------------------------
 
@@ -523,14 +546,20 @@ std::atomic<MatmulIsa>& chosen_isa() {
   return chosen;
 }
 
-// Chunks of `granule`-aligned output features: several per thread so a slow
-// thread delays the product by at most one chunk, one when the product is small.
+const TileShapes& tile_shapes(MatmulIsa isa) {
+  return isa == MatmulIsa::Avx512 ? kAvx512Tiles : isa == MatmulIsa::Avx2 ? kAvx2Tiles : kBaselineTiles;
+}
+
+// Output features per chunk: a whole number of tiles (`granule` features, so
+// no chunk ends in narrow leftover tiles), several chunks per thread so a slow
+// thread delays the product by at most one chunk, and none smaller than
+// kMinChunkWork. One chunk (the caller alone) when the product is small.
 int chunk_size(long work, int out_features, int granule) {
   const int threads = WorkerPool::instance().threads();
-  if (threads == 1 || work < kMinParallelWork) return out_features;
+  const long most_chunks = std::min<long>({threads * 4L, work / kMinChunkWork, (out_features + granule - 1) / granule});
+  if (threads == 1 || most_chunks < 2) return out_features;
   const int granules = (out_features + granule - 1) / granule;
-  const int chunks = std::min(granules, threads * 4);
-  return (granules + chunks - 1) / chunks * granule;
+  return int((granules + most_chunks - 1) / most_chunks) * granule;
 }
 
 }  // namespace
@@ -561,10 +590,11 @@ void matmul_forward_small_rows(float* out, const float* x, const float* weight, 
                                int in_features, int out_features) {
   if (rows <= 0 || out_features <= 0) return;
   DotProblem problem{out, x, weight, bias, rows, in_features, out_features, 0};
-  // 24 features: a whole number of every dot tile's feature count (8, 6, 4, 3).
-  problem.chunk_features = chunk_size(long(rows) * in_features * out_features, out_features, 24);
-  const int chunks = (out_features + problem.chunk_features - 1) / problem.chunk_features;
   const MatmulIsa isa = matmul_isa();
+  const TileShapes& tiles = tile_shapes(isa);
+  const int tile_features = dot_features_for(tiles.dot_registers, largest_row_block(rows, tiles.dot_max_rows));
+  problem.chunk_features = chunk_size(long(rows) * in_features * out_features, out_features, tile_features);
+  const int chunks = (out_features + problem.chunk_features - 1) / problem.chunk_features;
   WorkerPool::instance().run(isa == MatmulIsa::Avx512 ? dot_chunk_avx512
                              : isa == MatmulIsa::Avx2 ? dot_chunk_avx2
                                                       : dot_chunk_baseline,
@@ -575,10 +605,12 @@ void matmul_in_out_forward_small_rows(float* out, const float* x, const float* w
                                       int out_features) {
   if (rows <= 0 || out_features <= 0) return;
   AxpyProblem problem{out, x, weight, rows, in_features, out_features, 0};
-  // 64 columns: whole vectors at every width, and whole 64-byte lines.
-  problem.chunk_columns = chunk_size(long(rows) * in_features * out_features, out_features, 64);
-  const int chunks = (out_features + problem.chunk_columns - 1) / problem.chunk_columns;
   const MatmulIsa isa = matmul_isa();
+  const TileShapes& tiles = tile_shapes(isa);
+  const int tile_columns =
+      tiles.width * axpy_vectors_for(tiles.axpy_registers, largest_row_block(rows, tiles.axpy_max_rows));
+  problem.chunk_columns = chunk_size(long(rows) * in_features * out_features, out_features, tile_columns);
+  const int chunks = (out_features + problem.chunk_columns - 1) / problem.chunk_columns;
   WorkerPool::instance().run(isa == MatmulIsa::Avx512 ? axpy_chunk_avx512
                              : isa == MatmulIsa::Avx2 ? axpy_chunk_avx2
                                                       : axpy_chunk_baseline,
