@@ -117,8 +117,9 @@ TEST(PackedBatch, HoldsEveryPartWhereTheLayoutSaysInHeadOrder) {
 
   EXPECT_EQ(std::memcmp(part<int32_t>(bytes, layout.offsets), bf16_batch.context_offsets.data(), (A + 1) * 4), 0);
   EXPECT_EQ(std::memcmp(part<int32_t>(bytes, layout.anchor_ids), bf16_batch.anchors.data(), A * 4), 0);
-  EXPECT_EQ(std::memcmp(part<uint16_t>(bytes, layout.context), bf16_batch.context_rows_bf16.data(), size_t(C) * kWidth * 2),
-            0);
+  EXPECT_EQ(
+      std::memcmp(part<uint16_t>(bytes, layout.context), bf16_batch.context_rows_bf16.data(), size_t(C) * kWidth * 2),
+      0);
   long positions = 0;
   for (int a = 0; a < A; ++a)
     for (int k = 0; k < gamma; ++k) {
@@ -171,9 +172,8 @@ TEST(PackedBatch, HoldsEveryPartWhereTheLayoutSaysInHeadOrder) {
   as_f32.layout = packed_batch_layout(A, gamma, C, kWidth, kHidden, false);
   std::vector<unsigned char> wide(as_f32.layout.bytes);
   pack_train_batch(f32_batch, as_f32, wide.data());
-  EXPECT_EQ(std::memcmp(part<float>(wide, as_f32.layout.context), f32_batch.context_rows.data(),
-                        size_t(C) * kWidth * 4),
-            0);
+  EXPECT_EQ(
+      std::memcmp(part<float>(wide, as_f32.layout.context), f32_batch.context_rows.data(), size_t(C) * kWidth * 4), 0);
   // A layout for another batch is refused.
   PackedBatch wrong;
   wrong.layout = packed_batch_layout(A, gamma, C + 1, kWidth, kHidden, true);

@@ -72,8 +72,7 @@ void build_train_batch(const Dataset& data, std::span<const Anchor> anchors, int
       std::copy_n(context_rows, size_t(batch.context_length(a)) * width,
                   batch.context_rows_bf16.data() + size_t(batch.context_offsets[a]) * width);
     else if (context == ContextRows::F32)
-      convert_to_f32(Dtype::BF16, context_rows,
-                     batch.context_rows.data() + size_t(batch.context_offsets[a]) * width,
+      convert_to_f32(Dtype::BF16, context_rows, batch.context_rows.data() + size_t(batch.context_offsets[a]) * width,
                      size_t(batch.context_length(a)) * width);
     batch.anchors[a] = ids[t];
     for (int k = 0; k < gamma && t + 1 + k < length; ++k) {

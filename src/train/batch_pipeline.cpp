@@ -240,8 +240,8 @@ BatchPipeline::BatchPipeline(const Dataset& data, const AnchorSampler& sampler, 
   // step's own host thread and the driver keep theirs.
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   threads_ = options.threads > 0 ? options.threads : std::clamp(cores / 2, 1, 8);
-  capacity_ = packed_batch_layout(options.batch, options.gamma, options.batch * options.max_context,
-                                  data.tap_width(), data.hidden_size(), true)
+  capacity_ = packed_batch_layout(options.batch, options.gamma, options.batch * options.max_context, data.tap_width(),
+                                  data.hidden_size(), true)
                   .bytes;
   anchors_.resize(options.batch);
   next_step_ = options.first_step;

@@ -114,14 +114,14 @@ std::unique_ptr<BatchStaging> make_host_batch_staging();
 class BatchPipeline {
  public:
   struct Options {
-    uint64_t seed = 0;                  // the sampler's seed (sample_step_anchors)
-    int batch = 16;                     // A
-    int gamma = 1;                      // γ
-    int max_context = 1;                // context rows per anchor: [max(0, t - max_context), t)
-    long first_step = 0;                // the first batch's step (a resumed run's step)
-    long end_step = 0;                  // batches for steps [first_step, end_step)
-    int threads = 0;                    // packing threads, the producer included; 0: from the machine's cores
-    long chunk_bytes = 16L << 20;       // context bytes packed before their copy starts
+    uint64_t seed = 0;             // the sampler's seed (sample_step_anchors)
+    int batch = 16;                // A
+    int gamma = 1;                 // γ
+    int max_context = 1;           // context rows per anchor: [max(0, t - max_context), t)
+    long first_step = 0;           // the first batch's step (a resumed run's step)
+    long end_step = 0;             // batches for steps [first_step, end_step)
+    int threads = 0;               // packing threads, the producer included; 0: from the machine's cores
+    long chunk_bytes = 16L << 20;  // context bytes packed before their copy starts
   };
 
   // Starts the producer; `data`, `sampler` and `staging` must outlive this.

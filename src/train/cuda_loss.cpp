@@ -282,8 +282,8 @@ void CudaDrafterLoss::launch(const LossWeights& weights, bool with_gradients) {
   }
   const double normalizer = total_weight > 0.0 ? 1.0 / total_weight : 0.0;
   for (int row = 0; row < R; ++row) position_weights[row] = static_cast<float>(position_weights[row] * normalizer);
-  CUDA_CHECK(cudaMemcpyAsync(device_batch_ + bound_.layout.weights, position_weights, size_t(R) * 4, cudaMemcpyHostToDevice,
-                             stream_));
+  CUDA_CHECK(cudaMemcpyAsync(device_batch_ + bound_.layout.weights, position_weights, size_t(R) * 4,
+                             cudaMemcpyHostToDevice, stream_));
   CUDA_CHECK(cudaEventRecord(weights_copied_, stream_));
 
   const Weights p = resolve(parameters_.data());
@@ -327,7 +327,8 @@ LossTerms CudaDrafterLoss::compute(const LossWeights& weights, bool with_gradien
 
 void CudaDrafterLoss::forward(const Weights& p) {
   const DrafterConfig& c = config_;
-  const int A = bound_.layout.anchors, gamma = c.gamma, R = A * gamma, C = bound_.layout.context_rows, d = c.d_draft, F = inner_;
+  const int A = bound_.layout.anchors, gamma = c.gamma, R = A * gamma, C = bound_.layout.context_rows, d = c.d_draft,
+            F = inner_;
   const int H = dims_.hidden_size, V = dims_.vocab_size, r = c.markov_rank, W = width_;
   const float eps = dims_.eps;
   cudaStream_t s = stream_;
@@ -338,7 +339,8 @@ void CudaDrafterLoss::forward(const Weights& p) {
   if (C > 0) {
     if (bound_.layout.context_bf16) {
       float* converted = ensure(context_f32_, size_t(C) * W);
-      cuda::convert_to_f32(converted, reinterpret_cast<const bf16*>(device_batch_ + bound_.layout.context), long(C) * W, s);
+      cuda::convert_to_f32(converted, reinterpret_cast<const bf16*>(device_batch_ + bound_.layout.context), long(C) * W,
+                           s);
       context = converted;
     } else {
       context = reinterpret_cast<const float*>(device_batch_ + bound_.layout.context);
@@ -425,8 +427,8 @@ void CudaDrafterLoss::forward(const Weights& p) {
 
   // Sequential head, teacher forced: e = w1[x_{k-1}]; L += B.
   float* embedded = ensure(embedded_, size_t(R) * r);
-  cuda::embedding_forward(embedded, p.markov_w1, reinterpret_cast<const int32_t*>(device_batch_ + bound_.layout.previous), R, r,
-                          s);
+  cuda::embedding_forward(embedded, p.markov_w1,
+                          reinterpret_cast<const int32_t*>(device_batch_ + bound_.layout.previous), R, r, s);
   const long slab = long(A) * r;  // one position's [A, r]
   if (c.seq_head == "markov") {  // B = e @ w2
     gemm_in_out(logits, embedded, p.markov_w2, R, r, V, 1.0f);
@@ -464,7 +466,8 @@ void CudaDrafterLoss::forward(const Weights& p) {
 
 void CudaDrafterLoss::backward(const Weights& p, const Weights& g) {
   const DrafterConfig& c = config_;
-  const int A = bound_.layout.anchors, gamma = c.gamma, R = A * gamma, C = bound_.layout.context_rows, d = c.d_draft, F = inner_;
+  const int A = bound_.layout.anchors, gamma = c.gamma, R = A * gamma, C = bound_.layout.context_rows, d = c.d_draft,
+            F = inner_;
   const int H = dims_.hidden_size, V = dims_.vocab_size, r = c.markov_rank, W = width_;
   const float eps = dims_.eps;
   cudaStream_t s = stream_;
@@ -526,9 +529,10 @@ void CudaDrafterLoss::backward(const Weights& p, const Weights& g) {
     cuda::column_sums(g.gru_bJ, dgates, 3 * r, nullptr, 0, nullptr, R, 3 * r, work, s);
   }
   // e = w1[x_{k-1}]
-  cuda::embedding_backward(g.markov_w1, dembedded, reinterpret_cast<const int32_t*>(device_batch_ + bound_.layout.group_ids),
-                           reinterpret_cast<const int32_t*>(device_batch_ + bound_.layout.group_starts),
-                           reinterpret_cast<const int32_t*>(device_batch_ + bound_.layout.sorted_rows), bound_.groups, r, s);
+  cuda::embedding_backward(
+      g.markov_w1, dembedded, reinterpret_cast<const int32_t*>(device_batch_ + bound_.layout.group_ids),
+      reinterpret_cast<const int32_t*>(device_batch_ + bound_.layout.group_starts),
+      reinterpret_cast<const int32_t*>(device_batch_ + bound_.layout.sorted_rows), bound_.groups, r, s);
 
   // U = (h @ out_proj) @ lm_head^T: the LM head is the target's, frozen.
   float* dhead_input = ensure(dhead_input_, size_t(R) * H);
@@ -627,8 +631,9 @@ void CudaDrafterLoss::backward(const Weights& p, const Weights& g) {
     CUDA_CHECK(cudaMemsetAsync(dprojected, 0, size_t(C) * d * 4, s));
     cuda::rmsnorm_backward(dprojected, g.ctx_norm, dcontext_hidden, context_projected_.data(), p.ctx_norm, C, d, eps,
                            work, s);
-    const float* context = bound_.layout.context_bf16 ? context_f32_.data()
-                                         : reinterpret_cast<const float*>(device_batch_ + bound_.layout.context);
+    const float* context = bound_.layout.context_bf16
+                               ? context_f32_.data()
+                               : reinterpret_cast<const float*>(device_batch_ + bound_.layout.context);
     gemm_backward_weight(g.W_c, context, dprojected, C, W, d);
   }
 }

@@ -45,7 +45,6 @@
 #include "model/tokenizer.h"
 #include "model/transformer.h"
 #include "random_drafter.h"
-#include "train_golden.h"
 #include "spec/draft.h"
 #include "train/anchors.h"
 #include "train/batch_pipeline.h"
@@ -56,6 +55,7 @@
 #include "train/regen.h"
 #include "train/train_step.h"
 #include "train/trainer.h"
+#include "train_golden.h"
 
 namespace dspark {
 namespace {
