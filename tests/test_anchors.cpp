@@ -177,7 +177,7 @@ TEST(TrainBatch, FollowsTheAnchorRulesExactly) {
     }
     // The GPU's form: the same rows as the data's own bf16 bits, and no f32 copy.
     TrainBatch bf16_batch;
-    build_train_batch(data, anchors, gamma, max_context, bf16_batch, true);
+    build_train_batch(data, anchors, gamma, max_context, bf16_batch, ContextRows::Bf16);
     EXPECT_TRUE(bf16_batch.context_rows.empty());
     ASSERT_EQ(bf16_batch.context_rows_bf16.size(), batch.context_rows.size());
     for (size_t i = 0; i < batch.context_rows.size(); ++i)

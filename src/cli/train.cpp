@@ -32,6 +32,7 @@ struct TrainFlags {
   DrafterConfig config;
   TrainOptions options;
   bool resume = false;
+  bool no_prefetch = false;
   std::string device = "cpu";
   // Flags whose value, when not given with --resume, comes from the run being resumed.
   std::vector<std::pair<CLI::Option*, std::function<void(TrainOptions&, const TrainOptions&)>>> trajectory_flags;
@@ -89,6 +90,7 @@ void run_train(TrainFlags& flags) {
   const TargetHeadWeights head = load_target_head(flags.model, target);
 
   options.device = device;
+  options.prefetch = !flags.no_prefetch;
   interrupt_requested = 0;
   std::signal(SIGINT, on_interrupt);
   options.interrupted = [] { return interrupt_requested != 0; };
@@ -131,6 +133,9 @@ void add_train_command(CLI::App& app) {
                       "cpu or cuda (the GPU: f32 weights, TF32 GEMMs, bf16 target head), or auto (cuda when a GPU "
                       "is present)")
       ->capture_default_str()->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+  command->add_flag("--no-prefetch", f.no_prefetch,
+                    "cuda: build and upload each batch between the steps instead of packing and copying the next "
+                    "batch while a step runs (the same batches; to compare speeds)");
 
   auto architecture = [&](CLI::Option* option, std::function<bool(const DrafterConfig&)> matches) {
     f.architecture_flags.emplace_back(option, std::move(matches));

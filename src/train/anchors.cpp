@@ -31,8 +31,18 @@ Anchor AnchorSampler::sample(Rng& rng) const {
   return at(index);
 }
 
+const uint16_t* context_rows_of(const Dataset& data, const Anchor& anchor, int context_length) {
+  return data.rows(anchor.sequence) + size_t(anchor.position - context_length) * data.tap_width();
+}
+
+void sample_step_anchors(const AnchorSampler& sampler, uint64_t seed, long step, std::span<Anchor> anchors) {
+  constexpr uint64_t kStepStride = 0xd1b54a32d192ed03ull;
+  Rng rng(seed ^ (kStepStride * static_cast<uint64_t>(step + 1)));
+  for (Anchor& anchor : anchors) anchor = sampler.sample(rng);
+}
+
 void build_train_batch(const Dataset& data, std::span<const Anchor> anchors, int gamma, int max_context,
-                       TrainBatch& batch, bool bf16_context_rows) {
+                       TrainBatch& batch, ContextRows context) {
   DSPARK_CHECK(gamma >= 1 && max_context >= 1, "a training batch needs gamma >= 1 and max context >= 1");
   const int A = static_cast<int>(anchors.size()), width = data.tap_width(), H = data.hidden_size();
   batch.gamma = gamma;
@@ -44,8 +54,8 @@ void build_train_batch(const Dataset& data, std::span<const Anchor> anchors, int
     batch.context_offsets[a + 1] = batch.context_offsets[a] + (t - std::max(0, t - max_context));
   }
   const size_t context_values = size_t(batch.context_offsets[A]) * width;
-  batch.context_rows.resize(bf16_context_rows ? 0 : context_values);
-  batch.context_rows_bf16.resize(bf16_context_rows ? context_values : 0);
+  batch.context_rows.resize(context == ContextRows::F32 ? context_values : 0);
+  batch.context_rows_bf16.resize(context == ContextRows::Bf16 ? context_values : 0);
   batch.anchors.resize(A);
   batch.targets.assign(size_t(A) * gamma, 0);
   batch.target_hidden.assign(size_t(A) * gamma * H, 0.0f);
@@ -57,13 +67,12 @@ void build_train_batch(const Dataset& data, std::span<const Anchor> anchors, int
                  " is outside its response [", sequence.prompt_length - 1, ", ", length - 2, "]");
     const int32_t* ids = data.ids(anchors[a].sequence);
     const uint16_t* rows = data.rows(anchors[a].sequence);
-    const int first = t - batch.context_length(a);
-    if (bf16_context_rows)
-      std::copy_n(rows + size_t(first) * width, size_t(batch.context_length(a)) * width,
+    const uint16_t* context_rows = context_rows_of(data, anchors[a], batch.context_length(a));
+    if (context == ContextRows::Bf16)
+      std::copy_n(context_rows, size_t(batch.context_length(a)) * width,
                   batch.context_rows_bf16.data() + size_t(batch.context_offsets[a]) * width);
-    else
-      convert_to_f32(Dtype::BF16, rows + size_t(first) * width,
-                     batch.context_rows.data() + size_t(batch.context_offsets[a]) * width,
+    else if (context == ContextRows::F32)
+      convert_to_f32(Dtype::BF16, context_rows, batch.context_rows.data() + size_t(batch.context_offsets[a]) * width,
                      size_t(batch.context_length(a)) * width);
     batch.anchors[a] = ids[t];
     for (int k = 0; k < gamma && t + 1 + k < length; ++k) {

@@ -13,6 +13,7 @@
 //
 // Shape letters: A anchors, γ block, m taps, H target hidden.
 #pragma once
+#include <cstdint>
 #include <span>
 #include <vector>
 
@@ -47,10 +48,24 @@ class AnchorSampler {
   long total_ = 0;
 };
 
+// The anchors of training step `step` (0-based): batch.size() draws from the
+// step's own stream Rng(seed ^ 0xd1b54a32d192ed03·(step+1)), so a step's
+// batch depends on nothing but (seed, step): a resumed run, the batch
+// pipeline (train/batch_pipeline.h) and every device draw the same anchors.
+void sample_step_anchors(const AnchorSampler& sampler, uint64_t seed, long step, std::span<Anchor> anchors);
+
+// The first of anchor `anchor`'s `context_length` context rows in the data:
+// rows [t - context_length, t) of its sequence, m·H bf16 values each, back to back.
+const uint16_t* context_rows_of(const Dataset& data, const Anchor& anchor, int context_length);
+
+// Where build_train_batch puts the context rows: f32 in context_rows (what
+// the CPU loss reads), the stored bf16 bits in context_rows_bf16 (the GPU's
+// upload), or nowhere (OffsetsOnly: both left empty, context_offsets set; the
+// batch pipeline copies the rows itself, straight into pinned memory).
+enum class ContextRows { F32, Bf16, OffsetsOnly };
+
 // Fills `batch` (reusing its storage) for `anchors`; max_context >= 1.
-// bf16_context_rows: the context rows go to context_rows_bf16 as stored (the
-// GPU step's form), else to context_rows in f32.
 void build_train_batch(const Dataset& data, std::span<const Anchor> anchors, int gamma, int max_context,
-                       TrainBatch& batch, bool bf16_context_rows = false);
+                       TrainBatch& batch, ContextRows context = ContextRows::F32);
 
 }  // namespace dspark

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <thread>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -40,19 +39,6 @@ std::vector<uint16_t> to_bf16_bits(const float* values, size_t count) {
 }
 
 std::string layer_name(int layer, const char* tensor) { return "bb." + std::to_string(layer) + "." + tensor; }
-
-// body(begin, end) over [0, count) in contiguous slices on up to 8 threads when
-// the work is large (a batch's context rows: hundreds of MB at 8B shapes).
-template <class Body>
-void parallel_slices(long count, long serial_below, const Body& body) {
-  const long threads = std::min<long>(8, std::max(1u, std::thread::hardware_concurrency()));
-  if (count < serial_below || threads == 1) return body(0L, count);
-  std::vector<std::thread> workers;
-  const long slice = (count + threads - 1) / threads;
-  for (long begin = 0; begin < count; begin += slice)
-    workers.emplace_back([&body, begin, end = std::min(count, begin + slice)] { body(begin, end); });
-  for (std::thread& worker : workers) worker.join();
-}
 
 }  // namespace
 
@@ -234,96 +220,30 @@ float* CudaDrafterLoss::scratch(long floats) { return ensure(scratch_, std::max(
 
 void CudaDrafterLoss::upload(const TrainBatch& batch, ContextUpload context) {
   check_train_batch(config_, dims_, batch);
-  const int A = batch.size(), gamma = config_.gamma, R = A * gamma, H = dims_.hidden_size;
-  const int C = batch.context_offsets[A];
-  anchors_ = A;
-  context_rows_ = C;
   const bool given_bf16 = batch.context_rows.empty() && !batch.context_rows_bf16.empty();
-  context_bf16_ = given_bf16 || context == ContextUpload::Bf16;
-
-  // Head order (row k·A + a): targets, previous tokens (teacher forcing), masks, target rows.
-  std::vector<int32_t> targets(R), previous(R);
-  masks_.assign(R, 0.0f);
-  positions_ = 0;
-  for (int a = 0; a < A; ++a)
-    for (int k = 0; k < gamma; ++k) {
-      const int row = k * A + a;
-      targets[row] = batch.targets[size_t(a) * gamma + k];
-      previous[row] = k == 0 ? batch.anchors[a] : batch.targets[size_t(a) * gamma + k - 1];
-      masks_[row] = batch.mask[size_t(a) * gamma + k];
-      if (masks_[row] > 0.0f) ++positions_;
-    }
-  // The Markov table rows read, each with the rows that read it (ascending): its backward's groups.
-  std::vector<std::pair<int32_t, int32_t>> reads(R);
-  for (int row = 0; row < R; ++row) reads[row] = {previous[row], row};
-  std::sort(reads.begin(), reads.end());
-  std::vector<int32_t> group_ids, group_starts, sorted_rows(R);
-  for (int i = 0; i < R; ++i) {
-    if (i == 0 || reads[i].first != reads[i - 1].first) {
-      group_ids.push_back(reads[i].first);
-      group_starts.push_back(i);
-    }
-    sorted_rows[i] = reads[i].second;
-  }
-  group_starts.push_back(R);
-  groups_ = static_cast<int>(group_ids.size());
-
-  // One packed copy: each part 256-byte aligned.
-  long at = 0;
-  auto take = [&](long bytes) {
-    const long begin = at;
-    at = align_up(at + bytes, 256);
-    return begin;
-  };
-  const long context_values = long(C) * width_;
-  off_context_ = take(context_values * (context_bf16_ ? 2 : 4));
-  off_target_rows_ = take(long(R) * H * 4);
-  off_offsets_ = take(long(A + 1) * 4);
-  off_anchors_ = take(long(A) * 4);
-  off_targets_ = take(long(R) * 4);
-  off_previous_ = take(long(R) * 4);
-  off_weights_ = take(long(R) * 4);
-  off_group_ids_ = take(long(groups_) * 4);
-  off_group_starts_ = take(long(groups_ + 1) * 4);
-  off_sorted_rows_ = take(long(R) * 4);
-  const long bytes = at;
-
+  PackedBatch packed;
+  packed.layout = packed_batch_layout(batch.size(), config_.gamma, batch.context_offsets[batch.size()], width_,
+                                      dims_.hidden_size, given_bf16 || context == ContextUpload::Bf16);
+  const long bytes = packed.layout.bytes;
   CUDA_CHECK(cudaEventSynchronize(uploaded_));  // the previous batch has left the staging buffer
   if (staging_.size() < size_t(bytes)) staging_.resize(bytes);
-  unsigned char* host = staging_.data();
-  constexpr long kSerialBelow = 1L << 22;  // values
-  if (given_bf16) {
-    const uint16_t* in = batch.context_rows_bf16.data();
-    uint16_t* out = reinterpret_cast<uint16_t*>(host + off_context_);
-    parallel_slices(context_values, kSerialBelow,
-                    [&](long begin, long end) { std::memcpy(out + begin, in + begin, (end - begin) * 2); });
-  } else if (context_bf16_) {
-    const float* in = batch.context_rows.data();
-    uint16_t* out = reinterpret_cast<uint16_t*>(host + off_context_);
-    parallel_slices(context_values, kSerialBelow, [&](long begin, long end) {
-      for (long i = begin; i < end; ++i) out[i] = f32_to_bf16(in[i]);
-    });
-  } else {
-    const float* in = batch.context_rows.data();
-    float* out = reinterpret_cast<float*>(host + off_context_);
-    parallel_slices(context_values, kSerialBelow,
-                    [&](long begin, long end) { std::memcpy(out + begin, in + begin, (end - begin) * 4); });
-  }
-  float* target_rows = reinterpret_cast<float*>(host + off_target_rows_);
-  for (int a = 0; a < A; ++a)
-    for (int k = 0; k < gamma; ++k)
-      std::copy_n(batch.target_hidden.data() + (size_t(a) * gamma + k) * H, H, target_rows + size_t(k * A + a) * H);
-  std::memcpy(host + off_offsets_, batch.context_offsets.data(), size_t(A + 1) * 4);
-  std::memcpy(host + off_anchors_, batch.anchors.data(), size_t(A) * 4);
-  std::memcpy(host + off_targets_, targets.data(), size_t(R) * 4);
-  std::memcpy(host + off_previous_, previous.data(), size_t(R) * 4);
-  std::memset(host + off_weights_, 0, size_t(R) * 4);  // set by each launch
-  std::memcpy(host + off_group_ids_, group_ids.data(), size_t(groups_) * 4);
-  std::memcpy(host + off_group_starts_, group_starts.data(), size_t(groups_ + 1) * 4);
-  std::memcpy(host + off_sorted_rows_, sorted_rows.data(), size_t(R) * 4);
+  pack_train_batch(batch, packed, staging_.data());
   ensure(batch_, bytes);
-  CUDA_CHECK(cudaMemcpyAsync(batch_.data(), host, bytes, cudaMemcpyHostToDevice, stream_));
+  CUDA_CHECK(cudaMemcpyAsync(batch_.data(), staging_.data(), bytes, cudaMemcpyHostToDevice, stream_));
   CUDA_CHECK(cudaEventRecord(uploaded_, stream_));
+  bind(packed, batch_.data());
+}
+
+void CudaDrafterLoss::bind(const PackedBatch& batch, unsigned char* device) {
+  const PackedBatchLayout& layout = batch.layout;
+  DSPARK_CHECK(layout.anchors >= 1 && layout.gamma == config_.gamma && layout.tap_width == width_ &&
+                   layout.hidden_size == dims_.hidden_size && batch.masks.size() == size_t(layout.rows()),
+               "CUDA loss: a packed batch of ", layout.anchors, " anchors, gamma ", layout.gamma, ", tap width ",
+               layout.tap_width, " and hidden size ", layout.hidden_size, " for a drafter of gamma ", config_.gamma,
+               ", tap width ", width_, " and hidden size ", dims_.hidden_size);
+  bound_ = batch;
+  bound_.host = nullptr;
+  device_batch_ = device;
 }
 
 void CudaDrafterLoss::gemm_in_out(float* out, const float* x, const float* weight, int rows, int in, int out_features,
@@ -347,37 +267,37 @@ void CudaDrafterLoss::gemm_backward_weight(float* dweight, const float* x, const
 }
 
 void CudaDrafterLoss::launch(const LossWeights& weights, bool with_gradients) {
-  DSPARK_CHECK(anchors_ > 0, "CUDA loss: no batch uploaded");
-  const int A = anchors_, gamma = config_.gamma, R = A * gamma;
+  DSPARK_CHECK(device_batch_ != nullptr, "CUDA loss: no batch uploaded");
+  const int A = bound_.layout.anchors, gamma = config_.gamma, R = A * gamma;
   // Position weights w_k·mask / Σ w·mask, exactly as drafter_loss computes them.
   CUDA_CHECK(cudaEventSynchronize(weights_copied_));
   if (weights_staging_.size() < size_t(R)) weights_staging_.resize(R);
   float* position_weights = weights_staging_.data();
   double total_weight = 0.0;
   for (int row = 0; row < R; ++row) {
-    const float mask = masks_[row];
+    const float mask = bound_.masks[row];
     position_weights[row] =
         mask > 0.0f ? static_cast<float>(std::exp(-double(row / A) / weights.gamma_decay)) * mask : 0.0f;
     total_weight += position_weights[row];
   }
   const double normalizer = total_weight > 0.0 ? 1.0 / total_weight : 0.0;
   for (int row = 0; row < R; ++row) position_weights[row] = static_cast<float>(position_weights[row] * normalizer);
-  CUDA_CHECK(cudaMemcpyAsync(batch_.data() + off_weights_, position_weights, size_t(R) * 4, cudaMemcpyHostToDevice,
-                             stream_));
+  CUDA_CHECK(cudaMemcpyAsync(device_batch_ + bound_.layout.weights, position_weights, size_t(R) * 4,
+                             cudaMemcpyHostToDevice, stream_));
   CUDA_CHECK(cudaEventRecord(weights_copied_, stream_));
 
   const Weights p = resolve(parameters_.data());
   forward(p);
   const cuda::DrafterLossWeights loss_weights{weights.ce, weights.l1, weights.bce};
   const int V = dims_.vocab_size;
-  const bool backward_wanted = with_gradients && positions_ > 0;
-  const float* row_weights = reinterpret_cast<const float*>(batch_.data() + off_weights_);
+  const bool backward_wanted = with_gradients && bound_.positions > 0;
+  const float* row_weights = reinterpret_cast<const float*>(device_batch_ + bound_.layout.weights);
   float* dlogits = backward_wanted ? ensure(dlogits_, size_t(R) * V) : nullptr;
   bf16* dlogits_bf16 = backward_wanted && head_.bf16() ? ensure(dlogits_bf16_, size_t(R) * V) : nullptr;
   float* dconfidence = backward_wanted ? ensure(dconfidence_, R) : nullptr;
   cuda::drafter_loss_rows(ensure(row_terms_, size_t(R) * cuda::kRowTerms), dlogits, dlogits_bf16, dconfidence,
                           logits_.data(), target_logits_.data(),
-                          reinterpret_cast<const int32_t*>(batch_.data() + off_targets_), row_weights,
+                          reinterpret_cast<const int32_t*>(device_batch_ + bound_.layout.targets), row_weights,
                           confidence_.data(), R, V, loss_weights, backward_wanted, stream_);
   cuda::drafter_loss_terms(terms_.data(), row_terms_.data(), row_weights, confidence_.data(), A, gamma, loss_weights,
                            stream_);
@@ -407,21 +327,23 @@ LossTerms CudaDrafterLoss::compute(const LossWeights& weights, bool with_gradien
 
 void CudaDrafterLoss::forward(const Weights& p) {
   const DrafterConfig& c = config_;
-  const int A = anchors_, gamma = c.gamma, R = A * gamma, C = context_rows_, d = c.d_draft, F = inner_;
+  const int A = bound_.layout.anchors, gamma = c.gamma, R = A * gamma, C = bound_.layout.context_rows, d = c.d_draft,
+            F = inner_;
   const int H = dims_.hidden_size, V = dims_.vocab_size, r = c.markov_rank, W = width_;
   const float eps = dims_.eps;
   cudaStream_t s = stream_;
-  const int32_t* offsets = reinterpret_cast<const int32_t*>(batch_.data() + off_offsets_);
+  const int32_t* offsets = reinterpret_cast<const int32_t*>(device_batch_ + bound_.layout.offsets);
 
   // Context (Eq 2): Hc = rms(hctx @ W_c, ctx_norm), every anchor's rows at once.
   const float* context = nullptr;
   if (C > 0) {
-    if (context_bf16_) {
+    if (bound_.layout.context_bf16) {
       float* converted = ensure(context_f32_, size_t(C) * W);
-      cuda::convert_to_f32(converted, reinterpret_cast<const bf16*>(batch_.data() + off_context_), long(C) * W, s);
+      cuda::convert_to_f32(converted, reinterpret_cast<const bf16*>(device_batch_ + bound_.layout.context), long(C) * W,
+                           s);
       context = converted;
     } else {
-      context = reinterpret_cast<const float*>(batch_.data() + off_context_);
+      context = reinterpret_cast<const float*>(device_batch_ + bound_.layout.context);
     }
     gemm_in_out(ensure(context_projected_, size_t(C) * d), context, p.W_c, C, W, d, 0.0f);
     cuda::rmsnorm_forward(ensure(context_hidden_, size_t(C) * d), context_projected_.data(), p.ctx_norm, C, d, eps, s);
@@ -429,7 +351,7 @@ void CudaDrafterLoss::forward(const Weights& p) {
 
   // Block rows: row 0 = E[anchor] @ tok_proj + block_pos[0]; row k = mask_emb[k-1] + block_pos[k].
   float* anchor_embeddings = ensure(anchor_embeddings_, size_t(A) * H);
-  const int32_t* anchors = reinterpret_cast<const int32_t*>(batch_.data() + off_anchors_);
+  const int32_t* anchors = reinterpret_cast<const int32_t*>(device_batch_ + bound_.layout.anchor_ids);
   if (head_.bf16())
     cuda::embedding_forward(anchor_embeddings, static_cast<const bf16*>(head_.embedding()), anchors, A, H, s);
   else
@@ -487,7 +409,7 @@ void CudaDrafterLoss::forward(const Weights& p) {
   gemm_in_out(head_input, hidden, p.out_proj, R, d, H, 0.0f);
   float* logits = ensure(logits_, size_t(R) * V);
   float* target_logits = ensure(target_logits_, size_t(R) * V);
-  const float* target_rows = reinterpret_cast<const float*>(batch_.data() + off_target_rows_);
+  const float* target_rows = reinterpret_cast<const float*>(device_batch_ + bound_.layout.target_rows);
   if (head_.bf16()) {  // logits [R, V] = rows [R, H] @ lm_head [V, H]^T on bf16 operands
     bf16* head_input_bf16 = ensure(head_input_bf16_, size_t(R) * H);
     bf16* target_rows_bf16 = ensure(target_rows_bf16_, size_t(R) * H);
@@ -505,8 +427,8 @@ void CudaDrafterLoss::forward(const Weights& p) {
 
   // Sequential head, teacher forced: e = w1[x_{k-1}]; L += B.
   float* embedded = ensure(embedded_, size_t(R) * r);
-  cuda::embedding_forward(embedded, p.markov_w1, reinterpret_cast<const int32_t*>(batch_.data() + off_previous_), R, r,
-                          s);
+  cuda::embedding_forward(embedded, p.markov_w1,
+                          reinterpret_cast<const int32_t*>(device_batch_ + bound_.layout.previous), R, r, s);
   const long slab = long(A) * r;  // one position's [A, r]
   if (c.seq_head == "markov") {  // B = e @ w2
     gemm_in_out(logits, embedded, p.markov_w2, R, r, V, 1.0f);
@@ -544,7 +466,8 @@ void CudaDrafterLoss::forward(const Weights& p) {
 
 void CudaDrafterLoss::backward(const Weights& p, const Weights& g) {
   const DrafterConfig& c = config_;
-  const int A = anchors_, gamma = c.gamma, R = A * gamma, C = context_rows_, d = c.d_draft, F = inner_;
+  const int A = bound_.layout.anchors, gamma = c.gamma, R = A * gamma, C = bound_.layout.context_rows, d = c.d_draft,
+            F = inner_;
   const int H = dims_.hidden_size, V = dims_.vocab_size, r = c.markov_rank, W = width_;
   const float eps = dims_.eps;
   cudaStream_t s = stream_;
@@ -606,9 +529,10 @@ void CudaDrafterLoss::backward(const Weights& p, const Weights& g) {
     cuda::column_sums(g.gru_bJ, dgates, 3 * r, nullptr, 0, nullptr, R, 3 * r, work, s);
   }
   // e = w1[x_{k-1}]
-  cuda::embedding_backward(g.markov_w1, dembedded, reinterpret_cast<const int32_t*>(batch_.data() + off_group_ids_),
-                           reinterpret_cast<const int32_t*>(batch_.data() + off_group_starts_),
-                           reinterpret_cast<const int32_t*>(batch_.data() + off_sorted_rows_), groups_, r, s);
+  cuda::embedding_backward(
+      g.markov_w1, dembedded, reinterpret_cast<const int32_t*>(device_batch_ + bound_.layout.group_ids),
+      reinterpret_cast<const int32_t*>(device_batch_ + bound_.layout.group_starts),
+      reinterpret_cast<const int32_t*>(device_batch_ + bound_.layout.sorted_rows), bound_.groups, r, s);
 
   // U = (h @ out_proj) @ lm_head^T: the LM head is the target's, frozen.
   float* dhead_input = ensure(dhead_input_, size_t(R) * H);
@@ -626,7 +550,7 @@ void CudaDrafterLoss::backward(const Weights& p, const Weights& g) {
   cuda::rmsnorm_backward(dblock, g.out_norm, dhidden, block_.data(), p.out_norm, R, d, eps, work, s);
 
   // Layers, last to first: dblock is dLoss/d(the residual stream) after the layer, then before it.
-  const int32_t* offsets = reinterpret_cast<const int32_t*>(batch_.data() + off_offsets_);
+  const int32_t* offsets = reinterpret_cast<const int32_t*>(device_batch_ + bound_.layout.offsets);
   const cuda::TrainAttentionBatch attention_batch{offsets, A, gamma, c.num_heads, head_dim_};
   float* dgated = ensure(dgated_, size_t(R) * F);
   float* dgate = ensure(dgate_, size_t(R) * F);
@@ -707,8 +631,9 @@ void CudaDrafterLoss::backward(const Weights& p, const Weights& g) {
     CUDA_CHECK(cudaMemsetAsync(dprojected, 0, size_t(C) * d * 4, s));
     cuda::rmsnorm_backward(dprojected, g.ctx_norm, dcontext_hidden, context_projected_.data(), p.ctx_norm, C, d, eps,
                            work, s);
-    const float* context = context_bf16_ ? context_f32_.data()
-                                         : reinterpret_cast<const float*>(batch_.data() + off_context_);
+    const float* context = bound_.layout.context_bf16
+                               ? context_f32_.data()
+                               : reinterpret_cast<const float*>(device_batch_ + bound_.layout.context);
     gemm_backward_weight(g.W_c, context, dprojected, C, W, d);
   }
 }

@@ -46,6 +46,7 @@
 #include "kernels/cuda/matmul.h"
 #include "spec/draft.h"
 #include "spec/drafter.h"
+#include "train/batch_pipeline.h"
 #include "train/loss.h"
 #include "train/train_batch.h"
 
@@ -126,8 +127,12 @@ class CudaDrafterLoss {
   void zero_gradients();  // on the stream
 
   // Checks `batch` (as drafter_loss does) and copies it to the device (asynchronously;
-  // the host staging is reused once the previous copy is done).
+  // the host staging is reused once the previous copy is done), packed as bind() takes it.
   void upload(const TrainBatch& batch, ContextUpload context = ContextUpload::F32);
+  // The next launches read `batch` (train/batch_pipeline.h) at `device` ([batch.layout.bytes],
+  // written there by the caller: the stream must be made to wait for that copy); launch()
+  // writes the position weights into it.
+  void bind(const PackedBatch& batch, unsigned char* device);
   // The loss of the uploaded batch, launched on stream(): device_terms() receives
   // {loss, CE, L1, BCE, τ̂, positions} (cuda::kLossTerms doubles); with gradients,
   // dLoss/dθ accumulates (+=) into gradients() (nothing when no position is trained).
@@ -164,14 +169,10 @@ class CudaDrafterLoss {
   int width_ = 0, inner_ = 0, head_dim_ = 0;
   cuda::DeviceBuffer<float> parameters_, gradients_;
 
-  // The uploaded batch.
-  int anchors_ = 0, context_rows_ = 0;
-  long positions_ = 0;                // trained positions
-  std::vector<float> masks_;          // [R] head order
-  bool context_bf16_ = false;
-  long off_context_ = 0, off_target_rows_ = 0, off_offsets_ = 0, off_anchors_ = 0, off_targets_ = 0,
-       off_previous_ = 0, off_weights_ = 0, off_group_ids_ = 0, off_group_starts_ = 0, off_sorted_rows_ = 0;
-  int groups_ = 0;  // distinct previous tokens (the Markov table rows this batch reads)
+  // The batch the next launch reads: its layout and host-side parts, and its bytes on the device
+  // (batch_ for upload(), a pipeline slot for bind()).
+  PackedBatch bound_;
+  unsigned char* device_batch_ = nullptr;
   cuda::PinnedBuffer<unsigned char> staging_;
   cuda::DeviceBuffer<unsigned char> batch_;
   cuda::PinnedBuffer<float> weights_staging_;  // [R] position weights of the next launch

@@ -41,6 +41,10 @@ class CpuTrainStep : public TrainStep {
 
 }  // namespace
 
+TrainStep::Result TrainStep::train_packed(const PackedBatch&, const LossWeights&, double, double) {
+  fail("this training step takes no packed batches (it has no batch staging)");
+}
+
 std::unique_ptr<TrainStep> make_cpu_train_step(Drafter& drafter, const TargetHead& head, AdamW* optimizer) {
   return std::make_unique<CpuTrainStep>(drafter, head, optimizer);
 }

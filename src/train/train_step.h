@@ -8,12 +8,15 @@
 //   CUDA: the same on the GPU (train/cuda_loss.h, train/cuda_optimizer.h):
 //         weights, gradients and moments stay on the device; a step moves
 //         only the batch there and a few numbers back. store() brings the
-//         weights and moments back for checkpoints.
+//         weights and moments back for checkpoints. Its batches may also come
+//         packed through a BatchPipeline (train/batch_pipeline.h) into its
+//         batch_staging(): packed and copied while the previous step runs.
 #pragma once
 #include <memory>
 
 #include "spec/draft.h"
 #include "spec/drafter.h"
+#include "train/batch_pipeline.h"
 #include "train/loss.h"
 #include "train/optimizer.h"
 #include "train/train_batch.h"
@@ -34,6 +37,15 @@ class TrainStep {
   // moments as they were (the caller stops).
   virtual Result train(const TrainBatch& batch, const LossWeights& weights, double clip_norm,
                        double learning_rate) = 0;
+  // Where a BatchPipeline packs this step's batches, or null when the step
+  // takes TrainBatches only (the CPU step: its loss reads the f32 TrainBatch).
+  // Owned by the step; a pipeline using it must be destroyed first.
+  virtual BatchStaging* batch_staging() { return nullptr; }
+  // train() on a batch from a BatchPipeline over batch_staging(): the step
+  // waits (on the device) for the batch's copy, and its slot's next copy
+  // waits for the step.
+  virtual Result train_packed(const PackedBatch& batch, const LossWeights& weights, double clip_norm,
+                              double learning_rate);
   // The current weights into `drafter` and the optimizer's step count and
   // moments into `optimizer` (for checkpoints and best/; the CPU step works on
   // them in place, so there is nothing to do).
@@ -50,5 +62,12 @@ std::unique_ptr<TrainStep> make_cpu_train_step(Drafter& drafter, const TargetHea
 // context rows in bf16 (TrainBatch::context_rows_bf16) or f32.
 std::unique_ptr<TrainStep> make_cuda_train_step(const Drafter& drafter, const TargetHead& head,
                                                 const AdamW& optimizer);
+
+// The same over a target head already on the device (benchmarks: CudaTrainHead::random)
+// in `precision` (train/cuda_loss.h); the step owns `head`.
+class CudaTrainHead;
+struct CudaTrainPrecision;
+std::unique_ptr<TrainStep> make_cuda_train_step(const Drafter& drafter, std::unique_ptr<CudaTrainHead> head,
+                                                const CudaTrainPrecision& precision, const AdamW& optimizer);
 
 }  // namespace dspark

@@ -14,6 +14,7 @@
 #include "core/random.h"
 #include "core/safetensors.h"
 #include "train/anchors.h"
+#include "train/batch_pipeline.h"
 #include "train/train_step.h"
 
 namespace dspark {
@@ -21,10 +22,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr uint64_t kStepStride = 0xd1b54a32d192ed03ull;
 constexpr uint64_t kEvalSeedMix = 0x6a09e667f3bcc909ull;
-
-Rng step_rng(uint64_t seed, long step) { return Rng(seed ^ (kStepStride * static_cast<uint64_t>(step + 1))); }
 
 std::string state_file_name(long step) { return "training_state-" + std::to_string(step) + ".safetensors"; }
 
@@ -73,13 +71,12 @@ std::vector<Anchor> evaluation_anchors(const Dataset& data, const std::vector<in
 // `loss` evaluates one batch (TrainStep::evaluate, or drafter_loss on the host).
 EvalResult evaluate(const std::function<LossTerms(const TrainBatch&)>& loss, const DrafterConfig& config,
                     const Dataset& data, std::span<const Anchor> anchors, const TrainOptions& options,
-                    TrainBatch& batch, bool bf16_context_rows) {
+                    TrainBatch& batch, ContextRows context_rows) {
   EvalResult result;
   double weight_total = 0.0;
   for (size_t first = 0; first < anchors.size(); first += options.batch) {
     const size_t count = std::min<size_t>(options.batch, anchors.size() - first);
-    build_train_batch(data, anchors.subspan(first, count), config.gamma, options.max_context, batch,
-                      bf16_context_rows);
+    build_train_batch(data, anchors.subspan(first, count), config.gamma, options.max_context, batch, context_rows);
     const LossTerms terms = loss(batch);
     const double weight = position_weight(batch, options.loss);
     result.terms.loss += terms.loss * weight;
@@ -210,7 +207,7 @@ EvalResult evaluate_drafter(const Drafter& drafter, const TargetHead& head, cons
   TrainBatch batch;
   LossWorkspace workspace;
   auto loss = [&](const TrainBatch& b) { return drafter_loss(drafter, head, b, options.loss, nullptr, workspace); };
-  return evaluate(loss, drafter.config, data, anchors, options, batch, false);
+  return evaluate(loss, drafter.config, data, anchors, options, batch, ContextRows::F32);
 }
 
 Json train_options_to_json(const TrainOptions& o) {
@@ -324,7 +321,23 @@ TrainSummary train_drafter(Drafter& drafter, const TargetHead& head, const Datas
                  data.size());
 
   const std::unique_ptr<TrainStep> stepper = make_train_step(drafter, head, optimizer, options);
-  const bool bf16_rows = options.device == "cuda";  // the GPU takes the data's bf16 rows as they are stored
+  // The GPU takes the data's bf16 rows as they are stored.
+  const ContextRows context_rows = options.device == "cuda" ? ContextRows::Bf16 : ContextRows::F32;
+  // Batches packed and copied while the previous step runs, where the step takes them (destroyed
+  // before the step, whose staging it packs into). It starts now: the first batches are packed
+  // while the first evaluation runs.
+  BatchStaging* staging = options.prefetch ? stepper->batch_staging() : nullptr;
+  std::unique_ptr<BatchPipeline> pipeline;
+  if (staging && step < options.iterations) {
+    BatchPipeline::Options pipeline_options;
+    pipeline_options.seed = options.seed;
+    pipeline_options.batch = options.batch;
+    pipeline_options.gamma = drafter.config.gamma;
+    pipeline_options.max_context = options.max_context;
+    pipeline_options.first_step = step;
+    pipeline_options.end_step = options.iterations;
+    pipeline = std::make_unique<BatchPipeline>(data, sampler, pipeline_options, *staging);
+  }
   LogWriter log(output / kTrainLogFile);
   TrainBatch batch;
   std::vector<Anchor> anchors(options.batch);
@@ -332,7 +345,7 @@ TrainSummary train_drafter(Drafter& drafter, const TargetHead& head, const Datas
   auto run_evaluation = [&](long at_step) {
     if (!summary.evaluated) return;
     const EvalResult result = evaluate([&](const TrainBatch& b) { return stepper->evaluate(b, options.loss); },
-                                       drafter.config, data, eval_anchors, options, batch, bf16_rows);
+                                       drafter.config, data, eval_anchors, options, batch, context_rows);
     if (at_step == summary.start_step) summary.first_eval = result;
     summary.last_eval = result;
     Json record = terms_json(result.terms);
@@ -359,11 +372,15 @@ TrainSummary train_drafter(Drafter& drafter, const TargetHead& head, const Datas
   bool stopped = false;
   while (step < options.iterations && !stopped) {
     const auto step_start = Clock::now();
-    Rng rng = step_rng(options.seed, step);
-    for (Anchor& anchor : anchors) anchor = sampler.sample(rng);
-    build_train_batch(data, anchors, drafter.config.gamma, options.max_context, batch, bf16_rows);
     const double learning_rate = schedule.at(step);
-    const TrainStep::Result update = stepper->train(batch, options.loss, options.clip_norm, learning_rate);
+    TrainStep::Result update;
+    if (pipeline) {
+      update = stepper->train_packed(pipeline->next(), options.loss, options.clip_norm, learning_rate);
+    } else {
+      sample_step_anchors(sampler, options.seed, step, anchors);
+      build_train_batch(data, anchors, drafter.config.gamma, options.max_context, batch, context_rows);
+      update = stepper->train(batch, options.loss, options.clip_norm, learning_rate);
+    }
     const LossTerms& terms = update.terms;
     DSPARK_CHECK(std::isfinite(terms.loss), "the training loss is not finite at step ", step + 1,
                  " (try a lower --lr)");

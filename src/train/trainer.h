@@ -54,6 +54,11 @@ struct TrainOptions {
   // trajectory's options: a run may be resumed on the other device (the CUDA step is
   // reproducible on one GPU, not bit-identical to the CPU's).
   std::string device = "cpu";
+  // Steps whose batches can arrive packed (the CUDA step: TrainStep::batch_staging) get them
+  // from a BatchPipeline (train/batch_pipeline.h): the next batch is packed and copied while
+  // the current step runs. The same batches either way; false: build and upload each batch
+  // between steps (to compare).
+  bool prefetch = true;
   long stop_after = -1;               // for tests: stop after this step, checkpointing, as an interruption would
   std::function<bool()> interrupted;  // polled after every step (e.g. SIGINT): checkpoint and stop
 };

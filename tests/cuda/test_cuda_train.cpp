@@ -45,14 +45,17 @@
 #include "model/tokenizer.h"
 #include "model/transformer.h"
 #include "random_drafter.h"
-#include "train_golden.h"
 #include "spec/draft.h"
+#include "train/anchors.h"
+#include "train/batch_pipeline.h"
 #include "train/cuda_loss.h"
 #include "train/cuda_optimizer.h"
 #include "train/loss.h"
 #include "train/optimizer.h"
 #include "train/regen.h"
+#include "train/train_step.h"
 #include "train/trainer.h"
+#include "train_golden.h"
 
 namespace dspark {
 namespace {
@@ -741,6 +744,92 @@ TEST(CudaTrainer, LossFallsAndAStoppedAndResumedRunEqualsAStraightOne) {
               read_text_file(resumed_dir.path / "training_state-40.safetensors"))
         << head_kind;
   }
+}
+
+// The batch pipeline (the default: the next batch packed and copied while a step runs) trains exactly
+// as building and uploading each batch between the steps does: the same batches, in the same order,
+// evaluations in between drawing nothing from the steps' streams.
+TEST(CudaTrainer, PrefetchedBatchesTrainBitIdenticallyToSerialOnes) {
+  const Dataset data(tiny_data());
+  const TargetHead head = target_head_of(golden_target());
+  TrainOptions options = cuda_options();
+  options.iterations = 12;
+  options.eval_every = 3;  // evaluations between pipelined steps
+  options.save_every = 0;
+  TemporaryDirectory pipelined_dir, serial_dir;
+  Drafter pipelined = tiny_drafter("gru"), serial = tiny_drafter("gru");
+  TrainOptions serial_options = options;
+  serial_options.prefetch = false;
+  train_drafter(pipelined, head, data, options, pipelined_dir.path, false);
+  train_drafter(serial, head, data, serial_options, serial_dir.path, false);
+  EXPECT_EQ(read_text_file(pipelined_dir.path / "model.safetensors"),
+            read_text_file(serial_dir.path / "model.safetensors"));
+  EXPECT_EQ(read_text_file(pipelined_dir.path / "training_state-12.safetensors"),
+            read_text_file(serial_dir.path / "training_state-12.safetensors"));
+  auto records = [](const std::filesystem::path& output) {
+    std::vector<Json> kept;
+    std::ifstream log(output / kTrainLogFile);
+    for (std::string line; std::getline(log, line);) {
+      Json record = Json::parse(line);
+      record.erase("tokens_per_s");  // the clock's
+      kept.push_back(record);
+    }
+    return kept;
+  };
+  const std::vector<Json> with_pipeline = records(pipelined_dir.path), without = records(serial_dir.path);
+  ASSERT_EQ(with_pipeline.size(), 12u + 5u);  // 12 steps, evaluations at 0, 3, 6, 9, 12
+  EXPECT_EQ(with_pipeline, without);
+}
+
+// The step itself: N steps on pipelined batches == N steps on the same batches uploaded one by one.
+TEST(CudaTrainer, PackedStepsEqualUploadedSteps) {
+  const Dataset data(tiny_data());
+  const TargetHead head = target_head_of(golden_target());
+  const Drafter start = tiny_drafter("markov");
+  std::vector<std::string> decays;
+  for (const std::string& name : start.names)
+    if (drafter_parameter_decays(name, start.parameter(name).shape)) decays.push_back(name);
+  AdamW host_optimizer(start.parameters, decays, AdamWOptions{});
+  const std::unique_ptr<TrainStep> packed_step = make_cuda_train_step(start, head, host_optimizer);
+  const std::unique_ptr<TrainStep> uploaded_step = make_cuda_train_step(start, head, host_optimizer);
+  const AnchorSampler sampler(data, split_dataset(data.size(), 0.0).train);
+  BatchPipeline::Options options;
+  options.seed = 4;
+  options.batch = 5;
+  options.gamma = start.config.gamma;
+  options.max_context = 12;
+  options.end_step = 6;
+  options.chunk_bytes = 4096;  // several copies per batch
+  BatchPipeline pipeline(data, sampler, options, *packed_step->batch_staging());
+  std::vector<Anchor> anchors(options.batch);
+  TrainBatch batch;
+  const LossWeights weights;
+  for (long step = 0; step < options.end_step; ++step) {
+    const TrainStep::Result packed = packed_step->train_packed(pipeline.next(), weights, 1.0, 1e-2);
+    sample_step_anchors(sampler, options.seed, step, anchors);
+    build_train_batch(data, anchors, options.gamma, options.max_context, batch, ContextRows::Bf16);
+    const TrainStep::Result uploaded = uploaded_step->train(batch, weights, 1.0, 1e-2);
+    EXPECT_EQ(packed.terms.loss, uploaded.terms.loss) << "step " << step;
+    EXPECT_EQ(packed.terms.positions, uploaded.terms.positions) << "step " << step;
+    EXPECT_EQ(packed.gradient_norm, uploaded.gradient_norm) << "step " << step;
+  }
+  auto fresh = [&] {  // Drafter copies share their tensors: new ones to download into
+    Drafter drafter = start;
+    for (auto& [name, tensor] : drafter.parameters) tensor = Tensor::zeros(tensor.shape);
+    return drafter;
+  };
+  Drafter from_packed = fresh(), from_uploaded = fresh();
+  AdamW packed_optimizer(start.parameters, decays, AdamWOptions{});
+  AdamW uploaded_optimizer(start.parameters, decays, AdamWOptions{});
+  packed_step->store(from_packed, packed_optimizer);
+  uploaded_step->store(from_uploaded, uploaded_optimizer);
+  bool trained = false;
+  for (const std::string& name : start.names) {
+    const size_t bytes = start.parameter(name).numel() * 4;
+    EXPECT_EQ(std::memcmp(from_packed.parameter(name).data, from_uploaded.parameter(name).data, bytes), 0) << name;
+    trained |= std::memcmp(from_packed.parameter(name).data, start.parameter(name).data, bytes) != 0;
+  }
+  EXPECT_TRUE(trained);
 }
 
 // The first steps on the GPU follow the CPU's: the same batches, the training precision's differences only.
