@@ -10,7 +10,9 @@
 #include "golden.h"
 #include "model/cpu_target.h"
 #include "random_drafter.h"
+#include "spec/draft.h"
 #include "spec/drafter.h"
+#include "spec/dspark_source.h"
 #include "spec/scheduler.h"
 
 namespace dspark {
@@ -95,6 +97,87 @@ TEST(PrefixScheduler, RowsWithoutConfidencesAreVerifiedWhole) {
   scheduler.schedule(proposals, verify);
   // B starts at 3 + 2; rate 3 / 1.5 = 2. 0.9: 3.9 / 1.6 = 2.44 in; 0.09: 3.99 / 1.7 = 2.35 out.
   EXPECT_EQ(verify, (std::vector<int>{1, 2, 0}));
+}
+
+TEST(DraftCostProfile, InterpolatesAndScalesPerRowPastTheLastPoint) {
+  const DraftCostProfile cost{{1, 4}, {0.002, 0.005}};
+  EXPECT_DOUBLE_EQ(cost.at(1), 0.002);
+  EXPECT_DOUBLE_EQ(cost.at(0), 0.002);
+  EXPECT_NEAR(cost.at(2), 0.003, 1e-12);
+  EXPECT_NEAR(cost.at(8), 0.010, 1e-12);  // 1.25 ms a row, as at the last point
+  const DraftCostProfile round_trip = DraftCostProfile::from_json(cost.to_json(), "test");
+  EXPECT_EQ(round_trip.rows, cost.rows);
+  EXPECT_EQ(round_trip.seconds, cost.seconds);
+  EXPECT_NE(testing::error_of([] { DraftCostProfile::from_json(Json{{"rows", {2, 1}}, {"seconds", {1, 1}}}, "x"); })
+                .find("ascending"),
+            std::string::npos);
+}
+
+// The gate before a round: with verification free (SPS flat at 100 steps/s,
+// 10 ms) and drafting costing D, a round predicts τ* / (10 ms + D) tokens/s
+// against plain decoding's 100. Rounds that do not pay leave the next 1, 2,
+// 4, ... rounds undrafted; a smoothed gain back at >= 1 drafts every round.
+TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
+  const SpsProfile flat = profile({1, 1000}, {100.0, 100.0});
+  std::vector<Proposal> good(1), poor(1);
+  good[0].tokens = {1, 2}, good[0].confidence = {0.9f, 0.9f};  // τ* = 2.71 at B = 3
+  poor[0].tokens = {1}, poor[0].confidence = {0.05f};          // τ* = 1.05 at B = 2
+  std::vector<int> verify;
+  // Cheap drafting (1 ms): 2.71 / 11 ms = 246 tokens/s, gain 2.46: every round drafts.
+  PrefixScheduler cheap(flat, DraftCostProfile{{1}, {0.001}});
+  for (int round = 0; round < 6; ++round) {
+    ASSERT_TRUE(cheap.should_draft(1)) << round;
+    cheap.schedule(good, verify);
+    EXPECT_EQ(verify, std::vector<int>{2});
+  }
+  EXPECT_NEAR(cheap.gain(), 2.71 / 0.011 / 100, 1e-6);  // 0.9f is not 0.9
+  // Dear drafting (100 ms): gain 0.25 every time: undrafted runs of 1, 2, 4, 8.
+  PrefixScheduler dear(flat, DraftCostProfile{{1}, {0.1}});
+  std::string pattern;
+  for (int round = 0; round < 19; ++round) {
+    const bool draft = dear.should_draft(1);
+    pattern += draft ? 'D' : '.';
+    if (draft) dear.schedule(good, verify);
+  }
+  EXPECT_EQ(pattern, "D.D..D....D........");
+  // Near the break-even point (10 ms): poor rounds gain 0.525, good ones 1.355;
+  // the smoothed gain goes 0.525, 0.94, 1.15, 1.25, 1.30: drafting resumes every round.
+  PrefixScheduler even(flat, DraftCostProfile{{1}, {0.01}});
+  pattern.clear();
+  for (int round = 0; round < 8; ++round) {
+    const bool draft = even.should_draft(1);
+    pattern += draft ? 'D' : '.';
+    if (draft) even.schedule(round == 0 ? poor : good, verify);
+  }
+  EXPECT_EQ(pattern, "D.D..DDD");
+  EXPECT_NEAR(even.gain(), 0.0625 * 0.525 + 0.9375 * 1.355, 1e-6);
+  // Without a draft cost profile the gate never closes (Alg 1 alone).
+  PrefixScheduler alone(flat);
+  for (int round = 0; round < 4; ++round) {
+    EXPECT_TRUE(alone.should_draft(1));
+    alone.schedule(poor, verify);
+  }
+}
+
+TEST(DraftCostProfile, MeasuredForTheSourceAndCachedBesideSps) {
+  TemporaryDirectory directory;
+  const auto cache = directory.path / "sps.json";
+  const Transformer model = load_transformer(testing::golden_model("qwen3"));
+  CpuTarget target(model);
+  DrafterConfig config;
+  config.gamma = 3, config.d_draft = 32, config.num_layers = 1, config.num_heads = 4, config.markov_rank = 8;
+  config.tap_layers = default_tap_layers(model.config.num_layers);
+  Drafter drafter = init_drafter(
+      config, {model.config.hidden_size, model.config.vocab_size, model.config.rms_norm_eps}, "qwen3", 3);
+  testing::randomize_parameters(drafter, 43, 1.0f);
+  DSparkSource source(drafter, target_head_of(model), 0.0f);
+  const DraftCostProfile first = cached_draft_cost(target, source, "drafter-key", 3, 5, cache);
+  EXPECT_EQ(first.rows, (std::vector<int>{1, 2, 4, 5}));
+  for (double seconds : first.seconds) EXPECT_GT(seconds, 0.0);
+  const DraftCostProfile again = cached_draft_cost(target, source, "drafter-key", 3, 5, cache);
+  EXPECT_EQ(again.seconds, first.seconds);  // read back, not measured again
+  EXPECT_EQ(read_json_file(cache)["profiles"].size(), 1u);
+  EXPECT_EQ(cached_draft_cost(target, source, "drafter-key", 3, 8, cache).rows.back(), 8);  // more rows: measured
 }
 
 TEST(SpsProfile, MeasuredOnceAndCachedPerDeviceAndModel) {
@@ -201,7 +284,7 @@ TEST(CliBenchSpec, SweepsBatchSizesAndSchedulesAndPlotsThroughput) {
   EXPECT_EQ(png.substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8));
   EXPECT_GT(png.size(), 5000u);
   ASSERT_TRUE(std::filesystem::exists(cache));
-  EXPECT_EQ(read_json_file(cache)["profiles"].size(), 1u);
+  EXPECT_EQ(read_json_file(cache)["profiles"].size(), 2u);  // SPS(B) and the drafter's D(R)
 
   // One batch size and one schedule: the single-run report, the cached profile reused.
   std::vector<std::string> single = common;

@@ -103,6 +103,7 @@ struct GreedyCase {
   int gamma;
   float min_confidence;
   bool alg1 = false;  // the prefix scheduler cuts the proposals
+  bool gate = false;  // ... and, drafting being dear, leaves rounds undrafted
 };
 
 class GreedyLossless : public ::testing::TestWithParam<GreedyCase> {};
@@ -130,7 +131,7 @@ TEST_P(GreedyLossless, SpeculativeEqualsPlain) {
   SpeculativeOptions options;
   options.max_new_tokens = count;
   options.gamma = c.gamma;
-  PrefixScheduler scheduler(linear_sps(0.2));
+  PrefixScheduler scheduler(linear_sps(0.2), c.gate ? std::optional(DraftCostProfile{{1}, {2.0}}) : std::nullopt);
   if (c.alg1) options.scheduler = &scheduler;
   // Every prompt alone, then all of them as one ragged batch.
   std::vector<std::vector<int32_t>> expected;
@@ -148,7 +149,11 @@ TEST_P(GreedyLossless, SpeculativeEqualsPlain) {
     total.add(batched[i].stats);
   }
   const bool scored = c.source == "untrained" || c.source == "random";  // proposals carry confidences
-  if (c.alg1 && scored) {  // the scheduler both verified and cut drafts
+  if (c.gate) {  // drafted and undrafted rounds both occurred
+    EXPECT_GT(total.undrafted, 0);
+    EXPECT_LT(total.undrafted, total.rounds);
+    EXPECT_GT(total.drafted, 0);
+  } else if (c.alg1 && scored) {  // the scheduler both verified and cut drafts
     EXPECT_GT(total.drafted, 0);
     EXPECT_LT(total.drafted, total.proposed);
   } else {  // no scheduler, or nothing to rank by: every proposed token is verified
@@ -171,7 +176,8 @@ INSTANTIATE_TEST_SUITE_P(
                       GreedyCase{"qwen3", "oracle", 8, 0.0f}, GreedyCase{"qwen3", "ngram", 6, 0.0f},
                       GreedyCase{"llama", "ngram", 2, 0.0f}, GreedyCase{"qwen3", "random", 8, 0.0f, true},
                       GreedyCase{"llama", "random", 5, 0.0f, true}, GreedyCase{"qwen3", "untrained", 6, 0.0f, true},
-                      GreedyCase{"qwen3", "oracle", 8, 0.0f, true}));
+                      GreedyCase{"qwen3", "oracle", 8, 0.0f, true}, GreedyCase{"qwen3", "random", 6, 0.0f, true, true},
+                      GreedyCase{"llama", "oracle", 4, 0.0f, true, true}));
 
 TEST(SpeculativeLimits, ContextEndAndEosStopLikePlainDecoding) {
   const Transformer& model = golden("qwen3");
@@ -378,6 +384,7 @@ struct SamplingCase {
   std::string source;
   cpu::SamplingParams sampling;
   bool alg1 = false;  // the prefix scheduler cuts the proposals
+  bool gate = false;  // ... and, drafting being dear, leaves rounds undrafted
 };
 
 class SamplingLossless : public ::testing::TestWithParam<SamplingCase> {};
@@ -405,7 +412,7 @@ TEST_P(SamplingLossless, EmittedTokensHaveTheTargetsDistribution) {
   options.sampling = c.sampling;
   // 50 rows a round: a position is admitted while its survival exceeds τ*/(200 + B), about 0.2
   // to 0.25 here, so the cuts vary with the confidences.
-  PrefixScheduler scheduler(linear_sps(0.005));
+  PrefixScheduler scheduler(linear_sps(0.005), c.gate ? std::optional(DraftCostProfile{{1}, {50.0}}) : std::nullopt);
   if (c.alg1) options.scheduler = &scheduler;
   const long draws = 100000;
   std::vector<long> counts(V * V * V, 0);
@@ -422,7 +429,10 @@ TEST_P(SamplingLossless, EmittedTokensHaveTheTargetsDistribution) {
   EXPECT_LT(statistic, chi_square_bound(freedom)) << freedom << " degrees of freedom";
   EXPECT_GT(stats.accepted, 0);
   EXPECT_LT(stats.accepted, stats.drafted);  // both accepts and rejections were exercised
-  if (c.alg1) {  // every verified length occurred (3 new tokens leave room for 2 drafts): 0, 1 and 2
+  if (c.gate) {
+    EXPECT_GT(stats.undrafted, 0);
+    EXPECT_LT(stats.undrafted, stats.rounds);
+  } else if (c.alg1) {  // every verified length occurred (3 new tokens leave room for 2 drafts): 0, 1 and 2
     EXPECT_LT(stats.drafted, stats.proposed);
     EXPECT_LT(stats.drafted_at[0], stats.rounds);
     EXPECT_LT(stats.drafted_at[1], stats.drafted_at[0]);
@@ -435,7 +445,8 @@ INSTANTIATE_TEST_SUITE_P(Sources, SamplingLossless,
                                            SamplingCase{"drafter", {0.7f, 4, 0.9f}},
                                            SamplingCase{"ngram", {1.3f, 0, 0.95f}},
                                            SamplingCase{"drafter", {1.0f, 0, 1.0f}, true},
-                                           SamplingCase{"drafter", {0.7f, 4, 0.9f}, true}));
+                                           SamplingCase{"drafter", {0.7f, 4, 0.9f}, true},
+                                           SamplingCase{"drafter", {1.0f, 0, 1.0f}, true, true}));
 
 // ---------------------------------------------- the scheduler's early stop
 //

@@ -241,9 +241,8 @@ void run_bench_spec(const BenchSpecFlags& flags) {
                  flags.draft.c_str());
   const std::filesystem::path cache =
       flags.sps_cache.empty() ? default_sps_cache_path() : std::filesystem::path(flags.sps_cache);
-  VerifySchedules verify_schedules(*target, source, flags.model, schedules,
-                                   *std::max_element(batches.begin(), batches.end()) * (gamma + 1), cache,
-                                   flags.reprofile);
+  VerifySchedules verify_schedules(*target, source, flags.model, flags.draft, schedules,
+                                   *std::max_element(batches.begin(), batches.end()), gamma, cache, flags.reprofile);
   const std::string sps_note = verify_schedules.sps_note();
 
   struct Point {
@@ -302,6 +301,8 @@ void run_bench_spec(const BenchSpecFlags& flags) {
                 {"tau", stats.tau()},
                 {"proposed_per_round", stats.rounds ? double(stats.proposed) / stats.rounds : 0.0},
                 {"verified_per_round", stats.rounds ? double(stats.drafted) / stats.rounds : 0.0},
+                {"undrafted_rounds", stats.undrafted},
+                {"rounds", stats.rounds},
                 {"acceptance_by_position", stats.acceptance_by_position()},
                 {"outputs_matched", mode.matched},
                 {"all_outputs_match", mode.matched == long(point.requests)}};

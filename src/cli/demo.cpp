@@ -78,7 +78,8 @@ void run_demo(const DemoFlags& flags) {
   const ModelConfig& config = target->config();
   LoadedDraftSource source = load_draft_source(flags.draft, flags.model, *target, 0.0f);
   const int gamma = flags.gamma > 0 ? flags.gamma : source.default_gamma;
-  VerifySchedules schedules(*target, source, flags.model, {flags.schedule}, gamma + 1, default_sps_cache_path(), false);
+  VerifySchedules schedules(*target, source, flags.model, flags.draft, {flags.schedule}, 1, gamma, default_sps_cache_path(),
+                            false);
 
   std::string origin = "-p";
   PromptEntry entry;

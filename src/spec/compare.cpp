@@ -1,6 +1,7 @@
 #include "spec/compare.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "core/error.h"
 
@@ -36,8 +37,8 @@ void timed_speculative_decoding(Target& target, DraftSource& source, std::span<c
 }
 
 VerifySchedules::VerifySchedules(Target& target, const LoadedDraftSource& loaded,
-                                 const std::filesystem::path& model_directory,
-                                 const std::vector<std::string>& schedules, int max_verify_tokens,
+                                 const std::filesystem::path& model_directory, const std::string& draft_name,
+                                 const std::vector<std::string>& schedules, int max_batch, int gamma,
                                  const std::filesystem::path& sps_cache, bool reprofile)
     : loaded_(loaded) {
   auto wanted = [&](const char* name) {
@@ -49,11 +50,16 @@ VerifySchedules::VerifySchedules(Target& target, const LoadedDraftSource& loaded
   if (wanted("off") || wanted("alg1")) unpruned_ = unpruned_draft_source(loaded, target);
   if (wanted("alg1")) {
     SpsProfileOptions options;
-    options.max_tokens = max_verify_tokens;
+    options.max_tokens = max_batch * (gamma + 1);
     options.taps = loaded.source->tap_layers();
     bool measured = false;
-    alg1_ = std::make_unique<PrefixScheduler>(cached_sps_profile(
-        target, std::filesystem::weakly_canonical(model_directory).string(), options, sps_cache, reprofile, &measured));
+    SpsProfile sps = cached_sps_profile(target, std::filesystem::weakly_canonical(model_directory).string(), options,
+                                        sps_cache, reprofile, &measured);
+    std::optional<DraftCostProfile> draft_cost;
+    if (loaded.drafter && gamma > 0)  // a source without confidences gives the gate nothing to weigh
+      draft_cost = cached_draft_cost(target, *unpruned_, std::filesystem::weakly_canonical(draft_name).string(), gamma,
+                                     max_batch, sps_cache, reprofile);
+    alg1_ = std::make_unique<PrefixScheduler>(std::move(sps), std::move(draft_cost));
     sps_note_ = std::string(measured ? "measured, stored in " : "read from ") + sps_cache.string();
   }
 }

@@ -51,11 +51,14 @@ void timed_speculative_decoding(Target& target, DraftSource& source, std::span<c
 // The draft source and scheduler of each verify schedule over one loaded source.
 class VerifySchedules {
  public:
-  // `schedules` the ones that will be asked for; alg1 measures SPS(B) up to
-  // `max_verify_tokens` (or reads it from `sps_cache`, keyed by the target's
-  // device, `model_directory` and the source's taps; `reprofile` measures again).
+  // `schedules` the ones that will be asked for. alg1 measures SPS(B) up to
+  // max_batch * (gamma + 1) tokens and, for a DSpark drafter (`draft_name` its
+  // directory), the draft cost D(R) up to max_batch rows, so that it can also
+  // leave rounds undrafted (spec/scheduler.h); both are read from `sps_cache`
+  // when there (keyed by the target's device, `model_directory`, the source's
+  // taps, the drafter and gamma; `reprofile` measures again).
   VerifySchedules(Target& target, const LoadedDraftSource& loaded, const std::filesystem::path& model_directory,
-                  const std::vector<std::string>& schedules, int max_verify_tokens,
+                  const std::string& draft_name, const std::vector<std::string>& schedules, int max_batch, int gamma,
                   const std::filesystem::path& sps_cache, bool reprofile);
   DraftSource& source(const std::string& schedule);
   VerifyScheduler* scheduler(const std::string& schedule);  // null: verify what the source proposes

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 
 #include "core/error.h"
 #include "core/file.h"
@@ -11,6 +12,9 @@
 #include "core/random.h"
 
 namespace dspark {
+
+// The longest run of plain rounds between two drafted ones while drafting does not pay.
+constexpr int kMaxUndraftedRounds = 32;
 
 double SpsProfile::at(int tokens_in_forward) const {
   DSPARK_CHECK(!tokens.empty() && tokens.size() == steps_per_second.size(), "SPS profile: no measurements");
@@ -117,6 +121,97 @@ SpsProfile measure_sps(Target& target, const SpsProfileOptions& options) {
   return profile;
 }
 
+double DraftCostProfile::at(int count) const {
+  DSPARK_CHECK(!rows.empty() && rows.size() == seconds.size(), "draft cost profile: no measurements");
+  const double R = std::max(1, count);
+  if (R <= rows.front()) return seconds.front();
+  for (size_t i = 0; i + 1 < rows.size(); ++i) {
+    if (R > rows[i + 1]) continue;
+    const double fraction = (R - rows[i]) / double(rows[i + 1] - rows[i]);
+    return seconds[i] + fraction * (seconds[i + 1] - seconds[i]);
+  }
+  return seconds.back() * R / rows.back();
+}
+
+Json DraftCostProfile::to_json() const { return {{"rows", rows}, {"seconds", seconds}}; }
+
+DraftCostProfile DraftCostProfile::from_json(const Json& json, const std::string& where) {
+  DraftCostProfile profile;
+  profile.rows = json_get<std::vector<int>>(json, "rows", where);
+  profile.seconds = json_get<std::vector<double>>(json, "seconds", where);
+  DSPARK_CHECK(!profile.rows.empty() && profile.rows.size() == profile.seconds.size(), where,
+               ": rows and seconds must be non-empty and of one length");
+  for (size_t i = 0; i < profile.rows.size(); ++i) {
+    DSPARK_CHECK(profile.rows[i] >= 1 && (i == 0 || profile.rows[i] > profile.rows[i - 1]), where,
+                 ": rows must be positive and ascending");
+    DSPARK_CHECK(profile.seconds[i] >= 0, where, ": seconds must not be negative");
+  }
+  return profile;
+}
+
+DraftCostProfile measure_draft_cost(Target& target, DraftSource& source, int gamma, int max_rows, int context,
+                                    int runs) {
+  const ModelConfig& config = target.config();
+  DSPARK_CHECK(gamma >= 1 && max_rows >= 1 && runs >= 1, "draft cost profile: gamma, rows and runs must be positive");
+  context = std::min(context, config.max_positions - gamma - 1);
+  DSPARK_CHECK(context >= 2, "draft cost profile: the model's context of ", config.max_positions,
+               " leaves no room for a draft of ", gamma);
+  const std::vector<int> taps = source.tap_layers();
+  const size_t tap_width = taps.size() * size_t(config.hidden_size);
+  Rng rng(20240602);
+  std::vector<std::vector<int32_t>> prompts(max_rows, std::vector<int32_t>(context));
+  std::vector<int> ids;
+  for (int r = 0; r < max_rows; ++r) {
+    for (int32_t& token : prompts[r]) token = int32_t(rng.next() % uint64_t(config.vocab_size));
+    ids.push_back(target.create_sequence(context + gamma + 1));
+    source.begin(r, prompts[r], rng.next());
+  }
+  // As speculative decoding starts: every prompt token but the last enters
+  // the cache and the source's context, with its tapped rows.
+  TargetRequest prefill;
+  prefill.taps = taps;
+  TargetResult result;
+  std::vector<TargetInput> inputs;
+  for (int first = 0; first < max_rows; first += 8) {
+    const int last = std::min(max_rows, first + 8);
+    inputs.clear();
+    for (int r = first; r < last; ++r) inputs.push_back({ids[r], std::span(prompts[r]).first(context - 1), false});
+    target.forward(inputs, prefill, result);
+    for (int r = first; r < last; ++r)
+      source.accept(r, std::span(prompts[r]).first(context - 1),
+                    taps.empty() ? nullptr : result.taps.data() + size_t(r - first) * (context - 1) * tap_width);
+  }
+  std::vector<int> points;
+  for (int R = 1; R < max_rows; R *= 2) points.push_back(R);
+  points.push_back(max_rows);
+  DraftCostProfile profile;
+  std::vector<Proposal> proposals;
+  Progress progress("draft cost profile", long(points.size()), "points");
+  for (size_t p = 0; p < points.size(); ++p) {
+    const int R = points[p];
+    std::vector<int> rows(R), limits(R, gamma);
+    std::vector<int32_t> pending(R);
+    for (int r = 0; r < R; ++r) rows[r] = r, pending[r] = prompts[r].back();
+    std::vector<double> seconds;
+    for (int run = 0; run < 2 + runs; ++run) {  // 2 warm-ups (CUDA graph capture)
+      const auto start = std::chrono::steady_clock::now();
+      source.propose(rows, pending, limits, cpu::SamplingParams{}, proposals);
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (run >= 2) seconds.push_back(elapsed);
+    }
+    std::sort(seconds.begin(), seconds.end());
+    profile.rows.push_back(R);
+    profile.seconds.push_back(seconds[seconds.size() / 2]);
+    progress.update(long(p + 1), "R=" + std::to_string(R));
+  }
+  progress.finish();
+  for (int r = 0; r < max_rows; ++r) {
+    source.end(r);
+    target.release_sequence(ids[r]);
+  }
+  return profile;
+}
+
 std::filesystem::path default_sps_cache_path() {
   if (const char* directory = std::getenv("DSPARK_CACHE_DIR"); directory && *directory)
     return std::filesystem::path(directory) / "sps.json";
@@ -126,12 +221,11 @@ std::filesystem::path default_sps_cache_path() {
   return std::filesystem::path(home && *home ? home : ".") / ".cache" / "dspark" / "sps.json";
 }
 
-SpsProfile cached_sps_profile(Target& target, const std::string& model_key, const SpsProfileOptions& options,
-                              const std::filesystem::path& cache_file, bool remeasure, bool* measured) {
-  std::string key = target.device_description() + " | " + model_key + " | context " + std::to_string(options.context) +
-                    ", " + std::to_string(options.tokens_per_sequence) + " tokens per sequence, taps [";
-  for (size_t i = 0; i < options.taps.size(); ++i) key += (i ? "," : "") + std::to_string(options.taps[i]);
-  key += "]";
+namespace {
+
+// The profiles cache (a JSON object {"version": 1, "profiles": {key: entry}}):
+// an unreadable file counts as empty, so it is measured afresh and replaced.
+Json read_profile_cache(const std::filesystem::path& cache_file) {
   Json cache = Json::object();
   if (std::filesystem::exists(cache_file)) {
     try {
@@ -142,29 +236,78 @@ SpsProfile cached_sps_profile(Target& target, const std::string& model_key, cons
     if (!cache.is_object()) cache = Json::object();
   }
   if (!cache.contains("profiles") || !cache["profiles"].is_object()) cache["profiles"] = Json::object();
+  return cache;
+}
+
+// Adds `entry` under `key` (other entries kept), atomically.
+void store_profile(const std::filesystem::path& cache_file, const std::string& key, const Json& entry) {
+  Json cache = read_profile_cache(cache_file);
+  cache["version"] = 1;
+  cache["profiles"][key] = entry;
+  if (!cache_file.parent_path().empty()) std::filesystem::create_directories(cache_file.parent_path());
+  write_text_file_atomic(cache_file, cache.dump(2) + "\n");
+}
+
+// The cached entry `key` parsed by `parse` when present, parseable and
+// `complete`; else nothing (a broken entry is reported).
+template <typename Profile, typename Parse, typename Complete>
+std::optional<Profile> cached_profile(const std::filesystem::path& cache_file, const std::string& key, Parse parse,
+                                      Complete complete) {
+  const Json cache = read_profile_cache(cache_file);
+  if (!cache["profiles"].contains(key)) return std::nullopt;
+  try {
+    Profile profile = parse(cache["profiles"][key], cache_file.string() + " \"" + key + "\"");
+    if (complete(profile)) return profile;
+  } catch (const Error& error) {
+    std::fprintf(stderr, "warning: %s; measuring afresh\n", error.what());
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+SpsProfile cached_sps_profile(Target& target, const std::string& model_key, const SpsProfileOptions& options,
+                              const std::filesystem::path& cache_file, bool remeasure, bool* measured) {
+  std::string key = target.device_description() + " | " + model_key + " | context " + std::to_string(options.context) +
+                    ", " + std::to_string(options.tokens_per_sequence) + " tokens per sequence, taps [";
+  for (size_t i = 0; i < options.taps.size(); ++i) key += (i ? "," : "") + std::to_string(options.taps[i]);
+  key += "]";
   if (measured) *measured = false;
-  if (!remeasure && cache["profiles"].contains(key)) {
-    try {
-      SpsProfile profile = SpsProfile::from_json(cache["profiles"][key], cache_file.string() + " \"" + key + "\"");
-      if (profile.tokens.back() >= options.max_tokens) return profile;
-    } catch (const Error& error) {
-      std::fprintf(stderr, "warning: %s; measuring afresh\n", error.what());
-    }
+  if (!remeasure) {
+    std::optional<SpsProfile> cached = cached_profile<SpsProfile>(
+        cache_file, key, SpsProfile::from_json,
+        [&](const SpsProfile& profile) { return profile.tokens.back() >= options.max_tokens; });
+    if (cached) return *cached;
   }
   SpsProfile profile = measure_sps(target, options);
   if (measured) *measured = true;
   Json entry = profile.to_json();
   entry["device"] = target.device_description();
   entry["model"] = model_key;
-  cache["version"] = 1;
-  cache["profiles"][key] = entry;
-  if (!cache_file.parent_path().empty()) std::filesystem::create_directories(cache_file.parent_path());
-  write_text_file_atomic(cache_file, cache.dump(2) + "\n");
+  store_profile(cache_file, key, entry);
+  return profile;
+}
+
+DraftCostProfile cached_draft_cost(Target& target, DraftSource& source, const std::string& draft_key, int gamma,
+                                   int max_rows, const std::filesystem::path& cache_file, bool remeasure) {
+  const std::string key =
+      target.device_description() + " | draft " + draft_key + " | gamma " + std::to_string(gamma) + " | D(R)";
+  if (!remeasure) {
+    std::optional<DraftCostProfile> cached = cached_profile<DraftCostProfile>(
+        cache_file, key, DraftCostProfile::from_json,
+        [&](const DraftCostProfile& profile) { return profile.rows.back() >= max_rows; });
+    if (cached) return *cached;
+  }
+  DraftCostProfile profile = measure_draft_cost(target, source, gamma, max_rows);
+  Json entry = profile.to_json();
+  entry["device"] = target.device_description();
+  entry["draft"] = draft_key;
+  store_profile(cache_file, key, entry);
   return profile;
 }
 
 std::vector<int> prefix_schedule(std::span<const std::vector<float>> confidences, const SpsProfile& sps,
-                                 int extra_tokens) {
+                                 int extra_tokens, double* expected_tokens, int* forward_tokens) {
   struct Candidate {
     double survival;  // a_{r,j}
     int position, row;
@@ -200,7 +343,15 @@ std::vector<int> prefix_schedule(std::span<const std::vector<float>> confidences
     verify[candidate.row] = candidate.position + 1;
     tokens += 1, expected += candidate.survival, rate = admitted_rate;
   }
+  if (expected_tokens) *expected_tokens = expected;
+  if (forward_tokens) *forward_tokens = tokens;
   return verify;
+}
+
+bool PrefixScheduler::should_draft(int) {
+  if (!draft_cost_ || undrafted_left_ == 0) return true;
+  --undrafted_left_;
+  return false;
 }
 
 void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<int>& verify) {
@@ -212,9 +363,25 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
     confidences_[i].assign(scored ? proposal.confidence.begin() : proposal.confidence.end(), proposal.confidence.end());
     if (!scored) whole += int(proposal.tokens.size());
   }
-  verify = prefix_schedule(confidences_, sps_, whole);
+  double expected = 0.0;
+  int tokens = 0;
+  verify = prefix_schedule(confidences_, sps_, whole, &expected, &tokens);
   for (size_t i = 0; i < proposals.size(); ++i)
     if (proposals[i].confidence.size() != proposals[i].tokens.size()) verify[i] = int(proposals[i].tokens.size());
+  if (!draft_cost_ || proposals.empty()) return;
+  // This round's predicted tokens/s against plain decoding's, smoothed over
+  // the drafted rounds (one round's confidences are noisy at small batches).
+  const int R = static_cast<int>(proposals.size());
+  const double speculative = expected / (1.0 / sps_.at(tokens) + draft_cost_->at(R));
+  const double gain = speculative / (R * sps_.at(R));
+  gain_ = measured_ ? 0.5 * gain_ + 0.5 * gain : gain;
+  measured_ = true;
+  if (gain_ >= 1.0) {
+    backoff_ = 1;
+  } else {  // plain rounds for a while, then this scheduler drafts again to look
+    undrafted_left_ = backoff_;
+    backoff_ = std::min(2 * backoff_, kMaxUndraftedRounds);
+  }
 }
 
 }  // namespace dspark

@@ -17,8 +17,22 @@
 // That is what keeps sampling lossless (spec/speculative.cpp has the whole
 // argument); tests/test_speculative.cpp shows a variant without the early
 // stop biasing the output.
+//
+// Alg 1 decides what a round verifies once the drafts exist; their cost is
+// spent by then. Whether a round should draft at all is the question before
+// it: where the drafter's own time per round, D(R), outweighs what verifying
+// drafts gains (a fast target at a large batch), plain decoding steps are
+// faster. With a measured D(R), PrefixScheduler::should_draft keeps a running
+// estimate of the gain of the rounds it scheduled, the predicted tokens per
+// second τ*/(1/SPS(B) + D(R)) over plain decoding's R·SPS(R), and while it is
+// below 1 lets rounds go undrafted (a plain step: each row's pending token
+// alone), probing again after 1, 2, 4, ... 32 such rounds. The decision reads
+// only earlier rounds' confidences and the stored profiles, never a token of
+// the round it concerns, so it keeps every output distribution (and, given
+// the cached profiles, the outputs themselves) as they were.
 #pragma once
 #include <filesystem>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -38,6 +52,17 @@ struct SpsProfile {
   double at(int tokens) const;
   Json to_json() const;
   static SpsProfile from_json(const Json& json, const std::string& where);
+};
+
+// D(R): seconds of one draft (DraftSource::propose) for R rows, γ positions each.
+struct DraftCostProfile {
+  std::vector<int> rows;        // R of each measurement, ascending, rows[0] = 1
+  std::vector<double> seconds;  // [points] one propose() for R rows
+  // D at any R >= 1: interpolated linearly between measured points, the last
+  // measurement's cost per row beyond it.
+  double at(int rows) const;
+  Json to_json() const;
+  static DraftCostProfile from_json(const Json& json, const std::string& where);
 };
 
 struct SpsProfileOptions {
@@ -69,9 +94,24 @@ SpsProfile cached_sps_profile(Target& target, const std::string& model_key, cons
                               const std::filesystem::path& cache_file, bool remeasure = false,
                               bool* measured = nullptr);
 
+// Times DraftSource::propose for R = 1, 2, 4, ... max_rows rows of `gamma`
+// positions each (greedy, every position drafted), each row over a random
+// context of `context` tokens that `target` prefilled with the source's taps.
+DraftCostProfile measure_draft_cost(Target& target, DraftSource& source, int gamma, int max_rows, int context = 64,
+                                    int runs = 5);
+
+// The profile for `draft_key` (the drafter, its γ and the target) from
+// `cache_file`, as cached_sps_profile does.
+DraftCostProfile cached_draft_cost(Target& target, DraftSource& source, const std::string& draft_key, int gamma,
+                                   int max_rows, const std::filesystem::path& cache_file, bool remeasure = false);
+
 class VerifyScheduler {
  public:
   virtual ~VerifyScheduler() = default;
+  // Asked before each round of R rows: false makes it a plain decoding step
+  // (nothing drafted, so schedule() is not called). Must not depend on anything
+  // drawn in that round.
+  virtual bool should_draft(int rows) { return true; }
   // verify[i] = how many of proposals[i].tokens the round verifies (a prefix).
   // proposals[i].confidence is empty when the source has no confidences.
   virtual void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) = 0;
@@ -81,19 +121,30 @@ class VerifyScheduler {
 // (values outside [0, 1] are clamped). Returns each row's verified prefix
 // length. `extra_tokens`: tokens in the forward beyond the R pending ones and
 // the candidates (rows verified whole because they have no confidences).
+// `expected` (when given) receives τ* and `forward_tokens` B of the schedule.
 std::vector<int> prefix_schedule(std::span<const std::vector<float>> confidences, const SpsProfile& sps,
-                                 int extra_tokens = 0);
+                                 int extra_tokens = 0, double* expected = nullptr, int* forward_tokens = nullptr);
 
 class PrefixScheduler final : public VerifyScheduler {
  public:
-  explicit PrefixScheduler(SpsProfile sps) : sps_(std::move(sps)) {}
+  // Without a draft cost profile every round drafts (Alg 1 alone).
+  explicit PrefixScheduler(SpsProfile sps, std::optional<DraftCostProfile> draft_cost = std::nullopt)
+      : sps_(std::move(sps)), draft_cost_(std::move(draft_cost)) {}
+  bool should_draft(int rows) override;
   // Rows whose proposal has no confidences are verified whole (their tokens count in B).
   void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) override;
   const SpsProfile& sps() const { return sps_; }
+  // The running estimate of drafting's gain over plain decoding (1 before any round).
+  double gain() const { return gain_; }
 
  private:
   SpsProfile sps_;
+  std::optional<DraftCostProfile> draft_cost_;
   std::vector<std::vector<float>> confidences_;
+  double gain_ = 1.0;       // smoothed predicted speculative / plain tokens per second
+  bool measured_ = false;   // gain_ holds a measurement
+  int undrafted_left_ = 0;  // plain rounds still to run before drafting again
+  int backoff_ = 1;         // plain rounds after the next round that does not pay
 };
 
 }  // namespace dspark

@@ -21,6 +21,7 @@ std::vector<double> SpeculativeStats::acceptance_by_position() const {
 void SpeculativeStats::add(const SpeculativeStats& other) {
   rounds += other.rounds;
   proposed += other.proposed;
+  undrafted += other.undrafted;
   drafted += other.drafted;
   accepted += other.accepted;
   drafted_at.resize(std::max(drafted_at.size(), other.drafted_at.size()));
@@ -122,7 +123,13 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       limits.push_back(std::max(0, std::min({options.gamma, remaining - 1, config.max_positions - length - 1})));
     }
     if (active.empty()) break;
-    source.propose(active, pending, limits, options.sampling, proposals);
+    // An undrafted round (the scheduler judged drafting not to pay) is a
+    // plain decoding step: each row verifies its pending token alone.
+    const bool drafting = !options.scheduler || options.scheduler->should_draft(int(active.size()));
+    if (drafting)
+      source.propose(active, pending, limits, options.sampling, proposals);
+    else
+      proposals.assign(active.size(), Proposal{});
     proposed_counts.clear();
     for (size_t i = 0; i < active.size(); ++i) {
       Proposal& proposal = proposals[i];
@@ -146,7 +153,9 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     // in law, as never drawing it: the draft stream is separate from the
     // acceptance stream, so nothing downstream sees the discarded draws.
     // Greedy output is the target's argmax whatever prefix is verified.
-    if (options.scheduler) {
+    const bool drafted = std::any_of(proposals.begin(), proposals.end(),
+                                     [](const Proposal& proposal) { return !proposal.tokens.empty(); });
+    if (options.scheduler && drafted) {
       options.scheduler->schedule(proposals, verify_counts);
       for (size_t i = 0; i < active.size(); ++i) {
         Proposal& proposal = proposals[i];
@@ -195,6 +204,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
 
       SpeculativeStats& stats = request.result.stats;
       ++stats.rounds;
+      if (!drafting) ++stats.undrafted;
       stats.proposed += proposed_counts[i];
       stats.drafted += n;
       stats.accepted += verdict.accepted;
