@@ -113,7 +113,7 @@ TEST(CliDemo, NoFlagsPrintsTheTextOnceAndTheReport) {
 
   // The text: the default held-out prompt, then plain greedy decoding's
   // continuation, which must equal what `dspark generate` makes of the same prompt.
-  const std::string prompt = heldout_code_prompt(1);
+  const std::string prompt = heldout_code_prompt(20);
   const auto generated = run_dspark({"generate", "-m", models.target.string(), "-p", prompt, "-n", "128", "--json"});
   ASSERT_EQ(generated.exit_code, 0) << generated.err;
   const Json reference = Json::parse(generated.out);
@@ -124,7 +124,7 @@ TEST(CliDemo, NoFlagsPrintsTheTextOnceAndTheReport) {
   ASSERT_NE(end, std::string::npos) << out;
   EXPECT_EQ(out.substr(begin + opening.size(), end - begin - opening.size()), reference["text"].get<std::string>());
   EXPECT_NE(out.find(prompt), std::string::npos) << "the prompt is shown";
-  EXPECT_NE(out.find("heldout_code.jsonl line 1"), std::string::npos) << out;
+  EXPECT_NE(out.find("heldout_code.jsonl line 20"), std::string::npos) << out;
   const std::string& text = reference["text"].get<std::string>();
   ASSERT_GT(text.size(), 20u);
   size_t copies = 0;
