@@ -230,6 +230,24 @@ TEST_P(Drafting, RetainedContextEqualsRecompute) {
   EXPECT_EQ(a.tokens, b.tokens);
   EXPECT_LE(relative_error(b.logits.data(), a.logits.data(), a.logits.size()), 1e-6);
 
+  // Grouped with other contexts in one pass (extend_draft_contexts, as
+  // DSparkSource flushes its staged rows), each context gets the same bits.
+  DraftContext first, second, third;
+  DraftContext* contexts[] = {&first, &second, &third};
+  const float* rows[] = {taps_.data(), taps_.data() + 3L * width_, taps_.data() + 1L * width_};
+  const int counts[] = {3, 0, 7};
+  extend_draft_contexts(drafter_, contexts, rows, counts);
+  EXPECT_EQ(second.length, 0);
+  DraftContext first_alone, third_alone;
+  extend_draft_context(drafter_, first_alone, taps_.data(), 3);
+  extend_draft_context(drafter_, third_alone, taps_.data() + 1L * width_, 7);
+  for (auto [grouped, alone] : {std::pair{&first, &first_alone}, std::pair{&third, &third_alone}}) {
+    ASSERT_EQ(grouped->length, alone->length);
+    EXPECT_EQ(grouped->keys, alone->keys);
+    EXPECT_EQ(grouped->values, alone->values);
+  }
+  EXPECT_EQ(first.keys[0], std::vector<float>(pieces.keys[0].begin(), pieces.keys[0].begin() + 3L * drafter_.config.d_draft));
+
   // Rolled back and regrown, the context drafts as if never extended past the cut.
   DraftContext cut;
   extend_draft_context(drafter_, cut, taps_.data(), 6);

@@ -189,26 +189,64 @@ void DraftContext::truncate(int new_length) {
   length = new_length;
 }
 
-void extend_draft_context(const Drafter& drafter, DraftContext& context, const float* tapped_rows, int count) {
-  if (count == 0) return;
+void extend_draft_contexts(const Drafter& drafter, std::span<DraftContext* const> contexts,
+                           std::span<const float* const> tapped_rows, std::span<const int> counts) {
+  DSPARK_CHECK(contexts.size() == tapped_rows.size() && contexts.size() == counts.size(),
+               "extend_draft_contexts: ", contexts.size(), " contexts, ", tapped_rows.size(), " row sets, ",
+               counts.size(), " counts");
   const DrafterConfig& c = drafter.config;
-  const int d = c.d_draft, width = static_cast<int>(c.tap_layers.size()) * drafter.dims.hidden_size;
-  std::vector<float> projected(size_t(count) * d), normed(size_t(count) * d);
-  // Hc = rms(hctx @ W_c, ctx_norm)
-  cpu::matmul_in_out_forward(projected.data(), tapped_rows, drafter["W_c"], count, width, d);
-  cpu::rmsnorm_forward(projected.data(), projected.data(), drafter["ctx_norm"], count, d, drafter.dims.eps);
-  context.keys.resize(c.num_layers);
-  context.values.resize(c.num_layers);
-  for (int l = 0; l < c.num_layers; ++l) {  // per layer: rms(Hc, attn_norm) @ k | v
-    cpu::rmsnorm_forward(normed.data(), projected.data(), drafter[layer_name(l, "attn_norm")], count, d,
-                         drafter.dims.eps);
-    for (auto [cache, weight] : {std::pair{&context.keys[l], "k"}, std::pair{&context.values[l], "v"}}) {
-      cache->resize(size_t(context.length + count) * d);
-      cpu::matmul_in_out_forward(cache->data() + size_t(context.length) * d, normed.data(),
-                                 drafter[layer_name(l, weight)], count, d, d);
+  const int d = c.d_draft, L = c.num_layers, width = static_cast<int>(c.tap_layers.size()) * drafter.dims.hidden_size;
+  struct Row {
+    DraftContext* context;
+    const float* taps;  // [m·H]
+    int position;       // where it lands in its context
+  };
+  std::vector<Row> rows;
+  for (size_t i = 0; i < contexts.size(); ++i) {
+    DSPARK_CHECK(counts[i] >= 0, "cannot extend a draft context by ", counts[i], " rows");
+    DraftContext& context = *contexts[i];
+    context.keys.resize(L);
+    context.values.resize(L);
+    for (int r = 0; r < counts[i]; ++r)
+      rows.push_back({&context, tapped_rows[i] + size_t(r) * width, context.length + r});
+    context.length += counts[i];
+    for (int l = 0; l < L; ++l) {
+      context.keys[l].resize(size_t(context.length) * d);
+      context.values[l].resize(size_t(context.length) * d);
     }
   }
-  context.length += count;
+  // Chunks of at most 64 rows, the small-row matmul's range, where a row's
+  // result does not depend on the other rows of the call: a context holds the
+  // same bits however its rows were grouped (one request's prefill, or many
+  // requests' rounds at once).
+  constexpr int kChunk = 64;
+  std::vector<float> gathered(size_t(kChunk) * width), projected(size_t(kChunk) * d), normed(size_t(kChunk) * d),
+      keys(size_t(kChunk) * d), values(size_t(kChunk) * d);
+  for (size_t begin = 0; begin < rows.size(); begin += kChunk) {
+    const int n = static_cast<int>(std::min<size_t>(kChunk, rows.size() - begin));
+    for (int r = 0; r < n; ++r) std::copy_n(rows[begin + r].taps, width, gathered.data() + size_t(r) * width);
+    // Hc = rms(hctx @ W_c, ctx_norm)
+    cpu::matmul_in_out_forward(projected.data(), gathered.data(), drafter["W_c"], n, width, d);
+    cpu::rmsnorm_forward(projected.data(), projected.data(), drafter["ctx_norm"], n, d, drafter.dims.eps);
+    for (int l = 0; l < L; ++l) {  // per layer: rms(Hc, attn_norm) @ k | v
+      cpu::rmsnorm_forward(normed.data(), projected.data(), drafter[layer_name(l, "attn_norm")], n, d,
+                           drafter.dims.eps);
+      cpu::matmul_in_out_forward(keys.data(), normed.data(), drafter[layer_name(l, "k")], n, d, d);
+      cpu::matmul_in_out_forward(values.data(), normed.data(), drafter[layer_name(l, "v")], n, d, d);
+      for (int r = 0; r < n; ++r) {
+        const Row& row = rows[begin + r];
+        std::copy_n(keys.data() + size_t(r) * d, d, row.context->keys[l].data() + size_t(row.position) * d);
+        std::copy_n(values.data() + size_t(r) * d, d, row.context->values[l].data() + size_t(row.position) * d);
+      }
+    }
+  }
+}
+
+void extend_draft_context(const Drafter& drafter, DraftContext& context, const float* tapped_rows, int count) {
+  DraftContext* contexts[] = {&context};
+  const float* rows[] = {tapped_rows};
+  const int counts[] = {count};
+  extend_draft_contexts(drafter, contexts, rows, counts);
 }
 
 void draft(const Drafter& drafter, const TargetHead& head, std::span<const DraftRequest> requests,

@@ -53,6 +53,11 @@ struct DraftContext {
 // Appends `count` context rows, each the m tapped target rows of one token
 // concatenated on features: tapped_rows [count, m * H].
 void extend_draft_context(const Drafter& drafter, DraftContext& context, const float* tapped_rows, int count);
+// The same for several contexts in one pass: context i gets counts[i] rows
+// from tapped_rows[i] [counts[i], m * H]. Each row's keys and values are the
+// bits extend_draft_context gives it alone.
+void extend_draft_contexts(const Drafter& drafter, std::span<DraftContext* const> contexts,
+                           std::span<const float* const> tapped_rows, std::span<const int> counts);
 
 struct DraftOptions {
   cpu::SamplingParams sampling;       // greedy at temperature 0

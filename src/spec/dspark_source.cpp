@@ -9,7 +9,9 @@ void DSparkSource::begin(int row, std::span<const int32_t>, uint64_t seed) {
 }
 
 void DSparkSource::accept(int row, std::span<const int32_t> tokens, const float* tapped_rows) {
-  extend_draft_context(drafter_, rows_.at(row).context, tapped_rows, static_cast<int>(tokens.size()));
+  const size_t width = drafter_.config.tap_layers.size() * size_t(drafter_.dims.hidden_size);
+  std::vector<float>& staged = rows_.at(row).staged;
+  staged.insert(staged.end(), tapped_rows, tapped_rows + tokens.size() * width);
 }
 
 void DSparkSource::propose(std::span<const int> rows, std::span<const int32_t> pending, std::span<const int> max_tokens,
@@ -28,6 +30,20 @@ void DSparkSource::propose(std::span<const int> rows, std::span<const int32_t> p
     longest = std::max(longest, max_tokens[i]);
   }
   if (requests.empty()) return;
+  // The staged rows of the rows drafting now, projected together.
+  const size_t width = drafter_.config.tap_layers.size() * size_t(drafter_.dims.hidden_size);
+  std::vector<DraftContext*> contexts;
+  std::vector<const float*> staged_rows;
+  std::vector<int> counts;
+  for (size_t slot : slots) {
+    RowState& state = rows_.at(rows[slot]);
+    if (state.staged.empty()) continue;
+    contexts.push_back(&state.context);
+    staged_rows.push_back(state.staged.data());
+    counts.push_back(static_cast<int>(state.staged.size() / width));
+  }
+  extend_draft_contexts(drafter_, contexts, staged_rows, counts);
+  for (size_t slot : slots) rows_.at(rows[slot]).staged.clear();
   DraftOptions options;
   options.sampling = sampling;
   options.min_confidence = min_confidence_;

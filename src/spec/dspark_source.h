@@ -1,6 +1,9 @@
 // The DSpark drafter as a draft source: each request keeps its retained
 // context (the tapped target rows of every token in the target's cache) and
 // its own seeded sampling stream; a round drafts all requests in one batch.
+// accept() only stages the tapped rows; propose() projects every staged row
+// of the requests it drafts in one pass (extend_draft_contexts), so rounds
+// left undrafted, and many requests' rounds, share the weights' reads.
 #pragma once
 #include <map>
 
@@ -32,6 +35,7 @@ class DSparkSource final : public DraftSource {
   struct RowState {
     DraftContext context;
     Rng rng;
+    std::vector<float> staged;  // [staged rows, m·H] accepted, not yet projected
   };
   const Drafter& drafter_;
   TargetHead head_;
