@@ -386,10 +386,9 @@ void CudaDrafter::flush_contexts() {
     extend_in_flight_ = true;
     bf16* taps_device = reinterpret_cast<bf16*>(extend_metadata_.data() + extend_taps_offset_);
     auto* destinations_device = reinterpret_cast<bf16* const*>(extend_metadata_.data());
+    const auto* sources_device = reinterpret_cast<const int32_t*>(extend_metadata_.data() + extend_sources_offset_);
     if (chunk_device_rows)
-      cuda::gather_staged_rows_forward(taps_device, device_staged_.data(),
-                                       reinterpret_cast<const int32_t*>(extend_metadata_.data() + extend_sources_offset_),
-                                       padded, width_, s);
+      cuda::gather_staged_rows_forward(taps_device, device_staged_.data(), sources_device, padded, width_, s);
     // Hc = rms(hctx @ W_c, ctx_norm), kept in f32; per layer rms(Hc, attn_norm) @ k | v.
     cuda::matmul_forward(extend_projected_.data(), cuda::MatmulOutput::F32, taps_device, context_projection_.data(),
                          nullptr, padded, width_, d, s);

@@ -381,9 +381,8 @@ TEST(CudaDraftOps, F32ToBf16MatchesTheHostBitForBit) {
   // carry into the exponent, subnormals, infinities, signed zeros and NaNs
   // (quiet, signalling, negative: each keeps its own bits as on the host).
   std::vector<float> values = random_values(5000, 105, 3.0f);
-  const uint32_t words[] = {0x3f808000u, 0x3f818000u, 0x3f80c000u, 0x3f7fffffu, 0x7f7fffffu, 0x00000001u,
-                            0x807fffffu, 0x7f800000u, 0xff800000u, 0x80000000u, 0x7fc00000u, 0x7f800001u,
-                            0xffa00001u, 0x7fbfffffu};
+  const uint32_t words[] = {0x3f808000u, 0x3f818000u, 0x3f80c000u, 0x3f7fffffu, 0x7f7fffffu, 0x00000001u, 0x807fffffu,
+                            0x7f800000u, 0xff800000u, 0x80000000u, 0x7fc00000u, 0x7f800001u, 0xffa00001u, 0x7fbfffffu};
   for (uint32_t word : words) {
     float value;
     std::memcpy(&value, &word, 4);
@@ -703,8 +702,8 @@ TEST_P(CudaDrafting, ExtendFromDeviceRowsStoresWhatHostRowsStore) {
   DraftOptions options;
   options.collect_logits = true;
   std::vector<DraftResult> results;
-  const CudaDraftRequest requests[] = {{host, tokens_[3], nullptr}, {device, tokens_[3], nullptr},
-                                       {mixed, tokens_[3], nullptr}};
+  const CudaDraftRequest requests[] = {
+      {host, tokens_[3], nullptr}, {device, tokens_[3], nullptr}, {mixed, tokens_[3], nullptr}};
   gpu_->draft(requests, options, results);
   EXPECT_EQ(results[1].tokens, results[0].tokens);
   EXPECT_EQ(results[1].confidence, results[0].confidence);
