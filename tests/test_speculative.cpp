@@ -285,6 +285,60 @@ TEST(SpeculativeRollback, TargetCacheAndDrafterContextLeaveNoTrace) {
   EXPECT_GT(stats.drafted, stats.accepted);  // rollbacks happened
 }
 
+// A source that can take device taps (as the GPU drafter can), beside a target
+// that keeps its taps on the host: speculative_generate asks for device taps,
+// gets host ones (model/target.h), and must feed them through accept(); the
+// default accept_device() fails, so a wrong turn cannot pass unnoticed.
+class DeviceCapableSource final : public DraftSource {
+ public:
+  explicit DeviceCapableSource(DraftSource& source) : source_(source) {}
+  std::vector<int> tap_layers() const override { return source_.tap_layers(); }
+  bool accepts_device_taps() const override { return true; }
+  void begin(int row, std::span<const int32_t> prompt, uint64_t seed) override { source_.begin(row, prompt, seed); }
+  void accept(int row, std::span<const int32_t> tokens, const float* tapped_rows) override {
+    EXPECT_NE(tapped_rows, nullptr);
+    ++host_accepts;
+    source_.accept(row, tokens, tapped_rows);
+  }
+  void propose(std::span<const int> rows, std::span<const int32_t> pending, std::span<const int> max_tokens,
+               const cpu::SamplingParams& sampling, std::vector<Proposal>& proposals) override {
+    source_.propose(rows, pending, max_tokens, sampling, proposals);
+  }
+  void end(int row) override { source_.end(row); }
+  long host_accepts = 0;
+
+ private:
+  DraftSource& source_;
+};
+
+TEST(SpeculativeDeviceTaps, AHostTargetFeedsADeviceCapableSourceHostTaps) {
+  const Transformer& model = golden("llama");
+  const Drafter drafter = random_drafter(model.config, "markov", 4, 29, 3.0f);
+  CpuTarget target(model);
+  DSparkSource plain(drafter, target_head_of(model)), inner(drafter, target_head_of(model));
+  DeviceCapableSource device_capable(inner);
+  SpeculativeOptions options;
+  options.max_new_tokens = 12;
+  options.gamma = 4;
+  options.sampling = {1.0f, 0, 1.0f};
+  options.seed = 5;
+  options.trace = true;
+  const auto prompts = test_prompts("llama");
+  const auto batch = std::span(prompts).first(3);
+  const auto expected = speculative_generate(target, plain, batch, options);
+  const auto results = speculative_generate(target, device_capable, batch, options);
+  EXPECT_GT(device_capable.host_accepts, 3);
+  ASSERT_EQ(results.size(), expected.size());
+  for (size_t r = 0; r < results.size(); ++r) {
+    EXPECT_EQ(results[r].tokens, expected[r].tokens) << "request " << r;
+    ASSERT_EQ(results[r].trace.size(), expected[r].trace.size()) << "request " << r;
+    for (size_t k = 0; k < results[r].trace.size(); ++k) {
+      EXPECT_EQ(results[r].trace[k].draft, expected[r].trace[k].draft) << "request " << r << ", round " << k;
+      EXPECT_EQ(results[r].trace[k].confidence, expected[r].trace[k].confidence) << "request " << r << ", round " << k;
+    }
+  }
+}
+
 // ---------------------------------------------------------------- sampling
 
 // A tiny random target (V = 6) whose full output distribution can be enumerated.

@@ -60,6 +60,7 @@ void CpuTarget::forward(std::span<const TargetInput> inputs, const TargetRequest
   }
   if (request.want_logits) result.logits = output_.logits;
   result.taps = request.taps.empty() ? std::vector<float>{} : output_.taps;
+  result.device_taps = nullptr;  // host taps even when taps_on_device was asked (target.h)
 }
 
 }  // namespace dspark

@@ -401,7 +401,7 @@ void CudaTarget::forward(std::span<const TargetInput> inputs, const TargetReques
       const bool last = begin + count == total;
       if (!input.all_rows && !last) {  // rows of this chunk produce no output: still run it
         TargetInput chunk{input.sequence, input.tokens.subspan(begin, count), false};
-        TargetRequest silent;
+        TargetRequest silent;  // (taps on the host: each chunk overwrites the device buffer)
         silent.taps = request.taps;
         forward_chunk({&chunk, 1}, silent, part);
         result.taps.insert(result.taps.end(), part.taps.begin(), part.taps.end());
@@ -409,6 +409,7 @@ void CudaTarget::forward(std::span<const TargetInput> inputs, const TargetReques
       }
       TargetInput chunk{input.sequence, input.tokens.subspan(begin, count), input.all_rows};
       TargetRequest piece = request;
+      piece.taps_on_device = false;
       const size_t row_begin = input.all_rows ? begin : 0, rows = input.all_rows ? count : 1;
       if (!request.uniforms.empty()) piece.uniforms = request.uniforms.subspan(row_begin, rows);
       if (!request.score_tokens.empty()) piece.score_tokens = request.score_tokens.subspan(row_begin, rows);
@@ -547,7 +548,10 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
                           cudaMemcpyDeviceToHost));
   }
   result.taps.clear();
-  if (!request.taps.empty()) {
+  result.device_taps = nullptr;
+  if (!request.taps.empty() && request.taps_on_device) {
+    result.device_taps = taps_.data();  // complete: the stream was synchronised above
+  } else if (!request.taps.empty()) {
     result.taps.resize(size_t(real_tokens) * request.taps.size() * c.hidden_size);
     CUDA_CHECK(cudaMemcpy(result.taps.data(), taps_.data(), result.taps.size() * sizeof(float),
                           cudaMemcpyDeviceToHost));

@@ -9,6 +9,13 @@
 // distribution puts at the caller's uniform. Logits stay on the device unless
 // asked for; this is what lets the CUDA target run a decode step with a single
 // device-to-host copy of token ids.
+//
+// Tapped hidden rows: a request may ask for them to stay on the device
+// (taps_on_device). A target that can (the CUDA target) then returns a view of
+// its own device buffer in TargetResult::device_taps and leaves `taps` empty;
+// any other target, or a forward it cannot serve that way (the CUDA target's
+// chunked long prefill), returns host `taps` as usual and a null view. Callers
+// that ask must therefore handle both.
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -34,13 +41,22 @@ struct TargetRequest {
   std::span<const int32_t> score_tokens;  // [R] when set: nll[row] = -log softmax(logits[row])[token]
   std::span<const int> taps;              // tap indices (0..L) whose rows to return
   bool want_logits = false;               // copy the [R, V] logits to the host
+  bool taps_on_device = false;            // leave the tapped rows on the device where the target can
 };
 
 struct TargetResult {
   std::vector<int32_t> tokens;  // [R]
   std::vector<float> nll;       // [R] when score_tokens was set
   std::vector<float> logits;    // [R, V] when want_logits
-  std::vector<float> taps;      // [T, m, H] when taps were requested
+  std::vector<float> taps;      // [T, m, H] when taps were requested (and not left on the device)
+  // [T, m, H] f32 in device memory, the same rows as `taps` (every input
+  // token, in input order), when taps_on_device was asked and honoured; else
+  // null. Not owned: the target's buffer, valid until its next forward()
+  // (truncate_sequence and release_sequence leave it alone). The rows are
+  // complete when forward() returns and are written on the target's stream
+  // (CudaTargetHead::stream), so work queued on that stream afterwards reads
+  // them in order, and later forwards on it overwrite them only after that work.
+  const float* device_taps = nullptr;
 };
 
 class Target {

@@ -43,6 +43,26 @@ DeviceBuffer<bf16> upload_bf16(const float* values, size_t count) {
   return buffer;
 }
 
+// f32 -> bf16 bits as core/dtype.h's f32_to_bf16, branch-free (NaN by a
+// select, not an early return) and in blocks of a fixed 16 values, so that the
+// loop vectorises at -O2 (GCC's cheap cost model takes only loops with no
+// remainder to peel).
+inline uint16_t bf16_bits(float value) {
+  uint32_t word;
+  std::memcpy(&word, &value, 4);
+  const uint32_t rounded = (word + 0x7fffu + ((word >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (word >> 16) | 0x40u;
+  return static_cast<uint16_t>((word & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
+void convert_to_bf16_bits(const float* __restrict values, uint16_t* __restrict bits, size_t count) {
+  constexpr size_t kBlock = 16;
+  size_t i = 0;
+  for (; i + kBlock <= count; i += kBlock)
+    for (size_t j = 0; j < kBlock; ++j) bits[i + j] = bf16_bits(values[i + j]);
+  for (; i < count; ++i) bits[i] = bf16_bits(values[i]);
+}
+
 // Matrices stored [in, out] (the drafter's layout), transposed to [out, in]
 // (the GEMMs' nn.Linear layout) and stacked along out, as bf16.
 DeviceBuffer<bf16> upload_transposed_bf16(const std::vector<const float*>& matrices, int in, int out) {
@@ -143,8 +163,10 @@ CudaDrafter::CudaDrafter(const Drafter& drafter, const CudaTargetHead& head)
   }
   temperatures_ = upload_f32(temperatures.data(), temperatures.size());
 
-  // The extension pass: destinations [L, kExtendChunk], then the tapped rows [kExtendChunk, m*H] bf16.
-  extend_taps_offset_ = align_up(long(c.num_layers) * kExtendChunk * 8, 256);  // cuBLASLt wants 256-byte operands
+  // The extension pass: destinations [L, kExtendChunk], sources [kExtendChunk], then the tapped rows
+  // [kExtendChunk, m*H] bf16.
+  extend_sources_offset_ = long(c.num_layers) * kExtendChunk * 8;
+  extend_taps_offset_ = align_up(extend_sources_offset_ + kExtendChunk * 4, 256);  // cuBLASLt wants 256-byte operands
   const long extend_bytes = extend_taps_offset_ + long(kExtendChunk) * width_ * 2;
   extend_staging_.resize(extend_bytes);
   extend_metadata_.resize(extend_bytes);
@@ -152,16 +174,21 @@ CudaDrafter::CudaDrafter(const Drafter& drafter, const CudaTargetHead& head)
   extend_hidden_.resize(size_t(kExtendChunk) * d);
   extend_normed_.resize(size_t(kExtendChunk) * d);
   extend_kv_.resize(size_t(kExtendChunk) * 2 * d);
+  CUDA_CHECK(cudaEventCreateWithFlags(&device_staged_written_, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventCreateWithFlags(&device_staged_read_, cudaEventDisableTiming));
   ensure_rows(1);
 }
 
 CudaDrafter::~CudaDrafter() {
   enable_step_timing(false);
   for (auto& [rows, graph] : graphs_) cudaGraphExecDestroy(graph);
+  if (device_staged_.size()) cudaStreamSynchronize(head_.stream);  // conversions into device_staged_
   if (stream_) {
     cudaStreamSynchronize(stream_);
     cudaStreamDestroy(stream_);
   }
+  if (device_staged_written_) cudaEventDestroy(device_staged_written_);
+  if (device_staged_read_) cudaEventDestroy(device_staged_read_);
 }
 
 void CudaDrafter::enable_step_timing(bool on) {
@@ -209,7 +236,7 @@ void CudaDrafter::release_context(int id) {
 
 int CudaDrafter::context_length(int id) const {
   const Context& c = context(id);
-  return c.length + c.staged_rows;
+  return c.length + c.staged_rows();
 }
 
 void CudaDrafter::extend_context(int id, const float* tapped_rows, int count) {
@@ -217,21 +244,54 @@ void CudaDrafter::extend_context(int id, const float* tapped_rows, int count) {
   Context& c = context(id);
   const size_t first = c.staged.size(), values = size_t(count) * width_;
   c.staged.resize(first + values);
-  for (size_t i = 0; i < values; ++i) c.staged[first + i] = f32_to_bf16(tapped_rows[i]);
-  c.staged_rows += count;
+  convert_to_bf16_bits(tapped_rows, c.staged.data() + first, values);
+  c.staged_sources.insert(c.staged_sources.end(), count, kHostRow);
+}
+
+void CudaDrafter::extend_context_from_device(int id, const float* device_rows, int count) {
+  DSPARK_CHECK(count >= 0, "cannot extend a draft context by ", count, " rows");
+  Context& c = context(id);
+  if (count == 0) return;
+  DSPARK_CHECK(device_rows, "extending a draft context from device rows needs them");
+  ensure_device_staging(device_staged_rows_ + count);
+  const cudaStream_t producer = head_.stream;
+  if (device_staged_read_pending_) {  // the last pass may still be reading the rows about to be overwritten
+    CUDA_CHECK(cudaStreamWaitEvent(producer, device_staged_read_, 0));
+    device_staged_read_pending_ = false;
+  }
+  cuda::f32_to_bf16_forward(device_staged_.data() + long(device_staged_rows_) * width_, device_rows,
+                            long(count) * width_, producer);
+  for (int i = 0; i < count; ++i) c.staged_sources.push_back(device_staged_rows_ + i);
+  device_staged_rows_ += count;
+}
+
+void CudaDrafter::ensure_device_staging(int rows) {
+  if (size_t(rows) * width_ <= device_staged_.size()) return;
+  const size_t capacity = std::max<size_t>({size_t(rows), 2 * device_staged_.size() / width_, size_t(kExtendChunk)});
+  cuda::DeviceBuffer<bf16> grown(capacity * width_);
+  if (device_staged_rows_ > 0)  // after the conversions that wrote them, on the same stream
+    CUDA_CHECK(cudaMemcpyAsync(grown.data(), device_staged_.data(), size_t(device_staged_rows_) * width_ * sizeof(bf16),
+                               cudaMemcpyDeviceToDevice, head_.stream));
+  // The old area is freed below: nothing may still write (conversions, the copy) or read (a pass) it.
+  CUDA_CHECK(cudaStreamSynchronize(head_.stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  extend_in_flight_ = false;
+  device_staged_read_pending_ = false;
+  device_staged_ = std::move(grown);
 }
 
 void CudaDrafter::truncate_context(int id, int length) {
   Context& c = context(id);
-  DSPARK_CHECK(length >= 0 && length <= c.length + c.staged_rows, "cannot truncate a draft context of ",
-               c.length + c.staged_rows, " rows to ", length);
-  if (length >= c.length) {  // only staged rows go
-    c.staged_rows = length - c.length;
-    c.staged.resize(size_t(c.staged_rows) * width_);
+  DSPARK_CHECK(length >= 0 && length <= c.length + c.staged_rows(), "cannot truncate a draft context of ",
+               c.length + c.staged_rows(), " rows to ", length);
+  if (length >= c.length) {  // only staged rows go (rows of device_staged_ are left unused until the next pass)
+    c.staged_sources.resize(length - c.length);
+    const auto host_rows = std::count(c.staged_sources.begin(), c.staged_sources.end(), kHostRow);
+    c.staged.resize(size_t(host_rows) * width_);  // host rows are kept in order: the survivors are a prefix
   } else {  // the stored rows past `length` are simply overwritten later
     c.length = length;
     c.staged.clear();
-    c.staged_rows = 0;
+    c.staged_sources.clear();
   }
 }
 
@@ -259,19 +319,32 @@ void CudaDrafter::flush_contexts() {
   struct Row {
     Context* context;
     int position;
-    const uint16_t* taps;
+    const uint16_t* host_taps;  // bf16 bits on the host, or null: the row is device_staged_[device_row]
+    int32_t device_row;
   };
   std::vector<Row> rows;
+  bool device_rows = false;
   for (auto& [id, c] : contexts_) {
-    if (c.staged_rows == 0) continue;
-    grow_context(c, c.length + c.staged_rows);
-    for (int i = 0; i < c.staged_rows; ++i) rows.push_back({&c, c.length + i, c.staged.data() + size_t(i) * width_});
+    if (c.staged_rows() == 0) continue;
+    grow_context(c, c.length + c.staged_rows());
+    size_t host_row = 0;
+    for (int i = 0; i < c.staged_rows(); ++i) {
+      const int32_t source = c.staged_sources[i];
+      const bool on_host = source == kHostRow;
+      rows.push_back({&c, c.length + i, on_host ? c.staged.data() + host_row++ * width_ : nullptr, source});
+      device_rows |= !on_host;
+    }
   }
+  device_staged_rows_ = 0;  // every staged row is in `rows` (the rest were truncated away)
   if (rows.empty()) return;
   const int d = config_.d_draft, L = config_.num_layers;
   const float eps = dims_.eps;
   const long row_elements = 2L * d;
   cudaStream_t s = stream_;
+  if (device_rows) {  // the pass reads device_staged_ after the conversions queued on the target's stream
+    CUDA_CHECK(cudaEventRecord(device_staged_written_, head_.stream));
+    CUDA_CHECK(cudaStreamWaitEvent(s, device_staged_written_, 0));
+  }
   for (size_t begin = 0; begin < rows.size(); begin += kExtendChunk) {
     const int count = static_cast<int>(std::min<size_t>(kExtendChunk, rows.size() - begin));
     const int padded = static_cast<int>(std::bit_ceil(unsigned(count)));  // few distinct GEMM shapes
@@ -287,13 +360,35 @@ void CudaDrafter::flush_contexts() {
         }
         destinations[long(l) * padded + i] = reinterpret_cast<uint64_t>(destination);
       }
-    for (int i = 0; i < count; ++i) std::memcpy(taps + size_t(i) * width_, rows[begin + i].taps, size_t(width_) * 2);
-    std::memset(taps + size_t(count) * width_, 0, size_t(padded - count) * width_ * 2);
+    // Host rows go up with the metadata; device rows (and then the padding) are gathered on the device.
+    auto* sources = reinterpret_cast<int32_t*>(extend_staging_.data() + extend_sources_offset_);
+    bool chunk_host_rows = false, chunk_device_rows = false;
+    for (int i = 0; i < count; ++i) {
+      const bool on_host = rows[begin + i].host_taps != nullptr;
+      sources[i] = on_host ? cuda::kKeepRow : rows[begin + i].device_row;
+      chunk_host_rows |= on_host;
+      chunk_device_rows |= !on_host;
+    }
+    for (int i = count; i < padded; ++i) sources[i] = cuda::kZeroRow;
+    if (chunk_host_rows) {
+      for (int i = 0; i < count; ++i) {
+        uint16_t* row = taps + size_t(i) * width_;
+        if (rows[begin + i].host_taps)
+          std::memcpy(row, rows[begin + i].host_taps, size_t(width_) * 2);
+        else
+          std::memset(row, 0, size_t(width_) * 2);  // gathered on the device
+      }
+      std::memset(taps + size_t(count) * width_, 0, size_t(padded - count) * width_ * 2);
+    }
     CUDA_CHECK(cudaMemcpyAsync(extend_metadata_.data(), extend_staging_.data(),
-                               extend_taps_offset_ + long(padded) * width_ * 2, cudaMemcpyHostToDevice, s));
+                               extend_taps_offset_ + (chunk_host_rows ? long(padded) * width_ * 2 : 0),
+                               cudaMemcpyHostToDevice, s));
     extend_in_flight_ = true;
-    const bf16* taps_device = reinterpret_cast<const bf16*>(extend_metadata_.data() + extend_taps_offset_);
+    bf16* taps_device = reinterpret_cast<bf16*>(extend_metadata_.data() + extend_taps_offset_);
     auto* destinations_device = reinterpret_cast<bf16* const*>(extend_metadata_.data());
+    const auto* sources_device = reinterpret_cast<const int32_t*>(extend_metadata_.data() + extend_sources_offset_);
+    if (chunk_device_rows)
+      cuda::gather_staged_rows_forward(taps_device, device_staged_.data(), sources_device, padded, width_, s);
     // Hc = rms(hctx @ W_c, ctx_norm), kept in f32; per layer rms(Hc, attn_norm) @ k | v.
     cuda::matmul_forward(extend_projected_.data(), cuda::MatmulOutput::F32, taps_device, context_projection_.data(),
                          nullptr, padded, width_, d, s);
@@ -308,10 +403,14 @@ void CudaDrafter::flush_contexts() {
                                  static_cast<int>(row_elements), s);
     }
   }
+  if (device_rows) {  // the next conversion into device_staged_ waits for this pass to have read it
+    CUDA_CHECK(cudaEventRecord(device_staged_read_, s));
+    device_staged_read_pending_ = true;
+  }
   for (auto& [id, c] : contexts_) {
-    c.length += c.staged_rows;
+    c.length += c.staged_rows();
     c.staged.clear();
-    c.staged_rows = 0;
+    c.staged_sources.clear();
   }
 }
 

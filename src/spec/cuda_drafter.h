@@ -11,8 +11,18 @@
 // Retained context: one context per request holds, for every layer, the keys
 // and values of rms(Hc, attn_norm) of its rows in one device allocation
 // [layers, capacity, 2d] (k | v per row), grown by doubling. extend_context()
-// only stages the tapped rows on the host; the next draft() (or
+// only stages the tapped rows (as bf16); the next draft() (or
 // flush_contexts()) projects all contexts' new rows in one batched pass.
+// Rows come from the host (extend_context: converted there, uploaded with the
+// pass) or straight from the CUDA target's device taps
+// (extend_context_from_device: converted on the device into one device staging
+// area shared by all contexts). Device rows are converted on the target's
+// stream, so the conversion runs after the forward that wrote them and before
+// any later forward overwrites them, with no event per row; the pass (on the
+// drafter's stream) waits on one event recorded there after the last
+// conversion, and the first conversion after a pass waits on one recorded after
+// the pass read the staging area. Either way a row's bf16 bits are the same,
+// so the retained context is too.
 //
 // One draft step for B requests: the host packs the step's metadata (anchors,
 // context pointers and lengths, pruning settings, sampling parameters and
@@ -79,6 +89,11 @@ class CudaDrafter {
   // Appends `count` context rows: tapped_rows [count, m*H] (host, f32), each
   // the m tapped target rows of one token concatenated on features.
   void extend_context(int context, const float* tapped_rows, int count);
+  // The same from device_rows [count, m*H] f32 in device memory, written by
+  // work on the target's stream (head.stream: a CUDA target's
+  // TargetResult::device_taps). Queues their conversion on that stream and
+  // returns: the rows may be overwritten by anything queued there afterwards.
+  void extend_context_from_device(int context, const float* device_rows, int count);
   void truncate_context(int context, int length);
   // Projects every staged row into its context now (draft() does this first).
   void flush_contexts();
@@ -108,10 +123,13 @@ class CudaDrafter {
   struct Context {
     cuda::DeviceBuffer<bf16> storage;  // [L, capacity, 2d]: row p of layer l is k | v
     int capacity = 0;
-    int length = 0;                // rows in storage
-    std::vector<uint16_t> staged;  // [staged_rows, m*H] bf16 bits, not yet projected
-    int staged_rows = 0;
+    int length = 0;                       // rows in storage
+    std::vector<int32_t> staged_sources;  // one per staged row (not yet projected), in order: its row in
+                                          // device_staged_, or kHostRow (the next row of `staged`)
+    std::vector<uint16_t> staged;         // [host-staged rows, m*H] bf16 bits
+    int staged_rows() const { return static_cast<int>(staged_sources.size()); }
   };
+  static constexpr int32_t kHostRow = -1;
   // Byte offsets of one step's metadata for batches of up to `rows` rows; the
   // per-row arrays are indexed with the bucket's own row count.
   struct StepLayout {
@@ -124,6 +142,7 @@ class CudaDrafter {
   const Context& context(int id) const;
   void grow_context(Context& context, int rows);
   void wait_for_extend_staging();
+  void ensure_device_staging(int rows);
   void ensure_rows(int rows);
   int attention_splits(int rows) const;
   void draft_chunk(std::span<const CudaDraftRequest> requests, const DraftOptions& options, int limit,
@@ -157,12 +176,19 @@ class CudaDrafter {
   // Retained contexts and the batched pass that extends them.
   std::map<int, Context> contexts_;
   int next_context_ = 0;
-  long extend_taps_offset_ = 0;  // byte offset of the tapped rows in the extension staging
+  long extend_sources_offset_ = 0;  // byte offset of each row's source (kernels/cuda/draft.h) in the extension staging
+  long extend_taps_offset_ = 0;     // byte offset of the tapped rows in the extension staging
   cuda::PinnedBuffer<unsigned char> extend_staging_;
   cuda::DeviceBuffer<unsigned char> extend_metadata_;           // destinations [L, rows], then tapped rows [rows, m*H]
   cuda::DeviceBuffer<float> extend_projected_, extend_hidden_;  // [rows, d]
   cuda::DeviceBuffer<bf16> extend_normed_, extend_kv_;          // [rows, d], [rows, 2d]
   bool extend_in_flight_ = false;                               // a copy from extend_staging_ may not have run yet
+  // Rows staged from the target's device taps, for all contexts, until the next pass.
+  cuda::DeviceBuffer<bf16> device_staged_;  // [capacity, m*H]
+  int device_staged_rows_ = 0;              // rows written (truncated ones included) since the last pass
+  cudaEvent_t device_staged_written_ = nullptr;  // recorded on the target's stream before a pass reads the rows
+  cudaEvent_t device_staged_read_ = nullptr;     // recorded on the drafter's stream after a pass read them
+  bool device_staged_read_pending_ = false;      // the next conversion must wait on device_staged_read_
 
   // The draft step, sized for max_rows_ rows (γ * max_rows_ block rows).
   int max_rows_ = 0;

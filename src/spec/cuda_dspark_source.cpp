@@ -13,6 +13,10 @@ void CudaDSparkSource::accept(int row, std::span<const int32_t> tokens, const fl
   drafter_.extend_context(rows_.at(row).context, tapped_rows, static_cast<int>(tokens.size()));
 }
 
+void CudaDSparkSource::accept_device(int row, std::span<const int32_t> tokens, const float* device_rows) {
+  drafter_.extend_context_from_device(rows_.at(row).context, device_rows, static_cast<int>(tokens.size()));
+}
+
 void CudaDSparkSource::end(int row) {
   auto found = rows_.find(row);
   if (found == rows_.end()) return;

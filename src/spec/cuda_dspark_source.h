@@ -20,6 +20,9 @@ class CudaDSparkSource final : public DraftSource {
   std::vector<int> tap_layers() const override { return drafter_.config().tap_layers; }
   void begin(int row, std::span<const int32_t> prompt, uint64_t seed) override;
   void accept(int row, std::span<const int32_t> tokens, const float* tapped_rows) override;
+  // The CUDA target's device taps: converted on the device, never copied to the host.
+  bool accepts_device_taps() const override { return true; }
+  void accept_device(int row, std::span<const int32_t> tokens, const float* device_rows) override;
   void propose(std::span<const int> rows, std::span<const int32_t> pending, std::span<const int> max_tokens,
                const cpu::SamplingParams& sampling, std::vector<Proposal>& proposals) override;
   void end(int row) override;

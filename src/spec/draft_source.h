@@ -7,6 +7,7 @@
 #include <span>
 #include <vector>
 
+#include "core/error.h"
 #include "kernels/cpu/sampling.h"
 
 namespace dspark {
@@ -33,6 +34,17 @@ class DraftSource {
   // tapped hidden rows (null when tap_layers() is empty).
   virtual void accept(int row, std::span<const int32_t> tokens, const float* tapped_rows) = 0;
 
+  // Whether the source can take tapped rows in device memory, straight from
+  // the target's TargetResult::device_taps (model/target.h). Sources on the
+  // host keep the default: the engine then asks the target for host taps.
+  virtual bool accepts_device_taps() const { return false; }
+  // accept() with `device_rows` [count, m*H] f32 in device memory, written by
+  // the target's last forward and valid only until its next one: the source
+  // must take what it needs before returning (it may queue device work on the
+  // target's stream, which orders it before that forward). Only called when
+  // accepts_device_taps().
+  virtual void accept_device(int row, std::span<const int32_t> tokens, const float* device_rows);
+
   // Proposals for `rows`, each continuing after its `pending` token (the last
   // emitted token, not yet in the target's cache); at most max_tokens[i] each.
   virtual void propose(std::span<const int> rows, std::span<const int32_t> pending, std::span<const int> max_tokens,
@@ -40,5 +52,9 @@ class DraftSource {
 
   virtual void end(int row) = 0;
 };
+
+inline void DraftSource::accept_device(int, std::span<const int32_t>, const float*) {
+  fail("this draft source does not take tapped rows on the device");
+}
 
 }  // namespace dspark

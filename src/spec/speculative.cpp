@@ -59,6 +59,20 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   DSPARK_CHECK(options.gamma >= 0, "gamma must not be negative");
   const std::vector<int> taps = source.tap_layers();
   const size_t tap_width = taps.size() * config.hidden_size;
+  // Tapped rows stay on the device when the source can read them there (the
+  // GPU drafter beside the CUDA target): no copy to the host and back. A
+  // target may still answer with host taps (target.h), so each accept follows
+  // what the forward returned.
+  const bool taps_on_device = !taps.empty() && source.accepts_device_taps();
+  TargetResult step;
+  auto accept = [&](int slot, std::span<const int32_t> tokens, size_t first_row) {
+    if (taps.empty())
+      source.accept(slot, tokens, nullptr);
+    else if (step.device_taps)
+      source.accept_device(slot, tokens, step.device_taps + first_row * tap_width);
+    else
+      source.accept(slot, tokens, step.taps.data() + first_row * tap_width);
+  };
   std::vector<Request> requests(prompts.size());
   const auto start = Clock::now();
 
@@ -86,12 +100,12 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   }
   TargetRequest prefill_request;
   prefill_request.taps = taps;
-  TargetResult step;
+  prefill_request.taps_on_device = taps_on_device;
   if (!inputs.empty()) {
     target.forward(inputs, prefill_request, step);
     size_t row = 0;
     for (size_t i = 0; i < inputs.size(); ++i) {
-      source.accept(int(owners[i]), inputs[i].tokens, taps.empty() ? nullptr : step.taps.data() + row * tap_width);
+      accept(int(owners[i]), inputs[i].tokens, row);
       row += inputs[i].tokens.size();
     }
   }
@@ -177,6 +191,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     }
     TargetRequest verify;
     verify.taps = taps;
+    verify.taps_on_device = taps_on_device;
     verify.want_logits = !options.sampling.greedy();
     target.forward(inputs, verify, step);
 
@@ -198,8 +213,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       // Keep pending + the accepted drafts in the cache; teach the source the same.
       const int length_before = target.sequence_length(request.sequence) - (n + 1);
       target.truncate_sequence(request.sequence, length_before + 1 + verdict.accepted);
-      source.accept(active[i], std::span(blocks[i]).first(1 + verdict.accepted),
-                    taps.empty() ? nullptr : step.taps.data() + row * tap_width);
+      accept(active[i], std::span(blocks[i]).first(1 + verdict.accepted), row);
       row += n + 1;
 
       SpeculativeStats& stats = request.result.stats;

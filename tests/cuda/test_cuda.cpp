@@ -348,6 +348,37 @@ TEST_P(CudaGolden, LogitsAndTapsMatchCpu) {
   }
 }
 
+TEST_P(CudaGolden, DeviceTapsAreTheHostTapsLeftOnTheDevice) {
+  // A ragged batch (every row, only the last row): with taps_on_device the
+  // result holds a device view of exactly the rows the host copy would hold
+  // (every input token, in input order), and no host taps; the CPU target
+  // answers the same request with host taps.
+  const std::vector<int> taps = {1, 0, cuda_->config().num_layers};
+  const std::vector<std::vector<int32_t>> prompts = {prompt(0), prompt(2), prompt(3)};
+  auto run = [&](Target& target, bool on_device, TargetResult& result) {
+    std::vector<TargetInput> inputs;
+    for (size_t s = 0; s < prompts.size(); ++s) inputs.push_back({target.create_sequence(128), prompts[s], s != 1});
+    TargetRequest request;
+    request.taps = taps;
+    request.taps_on_device = on_device;
+    target.forward(inputs, request, result);
+    for (const TargetInput& input : inputs) target.release_sequence(input.sequence);
+  };
+  TargetResult host, device, cpu;
+  run(*cuda_, false, host);
+  EXPECT_EQ(host.device_taps, nullptr);
+  run(*cuda_, true, device);
+  ASSERT_NE(device.device_taps, nullptr);
+  EXPECT_TRUE(device.taps.empty());
+  EXPECT_EQ(device.tokens, host.tokens);
+  std::vector<float> copied(host.taps.size());
+  CUDA_CHECK(cudaMemcpy(copied.data(), device.device_taps, copied.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(copied, host.taps);
+  run(*cpu_, true, cpu);
+  EXPECT_EQ(cpu.device_taps, nullptr);
+  EXPECT_EQ(cpu.taps.size(), host.taps.size());
+}
+
 TEST_P(CudaGolden, GraphedDecodeMatchesFullForward) {
   const auto ids = prompt(1);
   const TargetResult full = full_forward(*cpu_, ids);

@@ -11,11 +11,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <set>
 #include <tuple>
 #include <type_traits>
 
 #include "device_test_util.h"
+#include "core/dtype.h"
 #include "golden.h"
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/attention.h"
@@ -373,6 +376,43 @@ TEST(CudaDraftOps, ScatterRowsSkipsNullDestinations) {
   }
 }
 
+TEST(CudaDraftOps, F32ToBf16MatchesTheHostBitForBit) {
+  // Random values, then the cases rounding gets wrong: ties either way, the
+  // carry into the exponent, subnormals, infinities, signed zeros and NaNs
+  // (quiet, signalling, negative: each keeps its own bits as on the host).
+  std::vector<float> values = random_values(5000, 105, 3.0f);
+  const uint32_t words[] = {0x3f808000u, 0x3f818000u, 0x3f80c000u, 0x3f7fffffu, 0x7f7fffffu, 0x00000001u, 0x807fffffu,
+                            0x7f800000u, 0xff800000u, 0x80000000u, 0x7fc00000u, 0x7f800001u, 0xffa00001u, 0x7fbfffffu};
+  for (uint32_t word : words) {
+    float value;
+    std::memcpy(&value, &word, 4);
+    values.push_back(value);
+  }
+  auto in = to_device(values);
+  DeviceBuffer<bf16> out(values.size());
+  cuda::f32_to_bf16_forward(out.data(), in.data(), long(values.size()), nullptr);
+  std::vector<uint16_t> bits(values.size());
+  CUDA_CHECK(cudaMemcpy(bits.data(), out.data(), bits.size() * 2, cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < values.size(); ++i) EXPECT_EQ(bits[i], f32_to_bf16(values[i])) << "value " << i;
+}
+
+TEST(CudaDraftOps, GatherStagedRowsCopiesZeroesAndKeeps) {
+  const int width = 40, rows = 4;
+  const auto staged = bf16_rounded(random_values(3 * width, 106));
+  auto staged_device = to_device_bf16(staged);
+  const auto before = bf16_rounded(random_values(rows * width, 107));
+  auto out_device = to_device_bf16(before);
+  auto sources = to_device(std::vector<int32_t>{2, cuda::kKeepRow, cuda::kZeroRow, 0});
+  cuda::gather_staged_rows_forward(out_device.data(), staged_device.data(), sources.data(), rows, width, nullptr);
+  const auto out = from_device(out_device);
+  for (int i = 0; i < width; ++i) {
+    EXPECT_EQ(out[0 * width + i], staged[2 * width + i]);
+    EXPECT_EQ(out[1 * width + i], before[1 * width + i]);
+    EXPECT_EQ(out[2 * width + i], 0.0f);
+    EXPECT_EQ(out[3 * width + i], staged[0 * width + i]);
+  }
+}
+
 // ---------------------------------------------------------------- whole draft steps
 
 constexpr double kLogitTolerance = 3e-2;       // bf16 weights and activations through the backbone
@@ -604,6 +644,73 @@ TEST_P(CudaDrafting, RetainedContextEqualsRecompute) {
   EXPECT_LE(relative_error(grown_keys.data() + size_t(80) * d, keys.data(), size_t(12) * d), kBf16Tolerance);
 }
 
+TEST_P(CudaDrafting, ExtendFromDeviceRowsStoresWhatHostRowsStore) {
+  // The same rows through the host path, through the device path (as a CUDA
+  // target's device taps: f32 on the device, converted there), and mixed,
+  // with two contexts sharing each pass, staged rows truncated, stored rows
+  // rolled back and regrown: every retained key and value equal bit for bit.
+  auto rows_device = to_device(taps_);
+  const float* device_rows = rows_device.data();
+  auto device_taps = [&](int row) { return device_rows + size_t(row) * width_; };
+  const int host = gpu_->create_context(), device = gpu_->create_context(), mixed = gpu_->create_context();
+  auto both = [&](int from, int count, bool mixed_on_device) {
+    gpu_->extend_context(host, taps(from), count);
+    gpu_->extend_context_from_device(device, device_taps(from), count);
+    if (mixed_on_device)
+      gpu_->extend_context_from_device(mixed, device_taps(from), count);
+    else
+      gpu_->extend_context(mixed, taps(from), count);
+  };
+  auto truncate = [&](int length) {
+    for (int context : {host, device, mixed}) gpu_->truncate_context(context, length);
+  };
+  auto expect_equal = [&](int length, const std::string& what) {
+    for (int l = 0; l < drafter_.config.num_layers; ++l) {
+      std::vector<float> keys, values, device_keys, device_values, mixed_keys, mixed_values;
+      gpu_->read_context(host, l, keys, values);
+      gpu_->read_context(device, l, device_keys, device_values);
+      gpu_->read_context(mixed, l, mixed_keys, mixed_values);
+      ASSERT_EQ(keys.size(), size_t(length) * drafter_.config.d_draft) << what;
+      EXPECT_EQ(device_keys, keys) << what << ", layer " << l;
+      EXPECT_EQ(device_values, values) << what << ", layer " << l;
+      EXPECT_EQ(mixed_keys, keys) << what << ", layer " << l;
+      EXPECT_EQ(mixed_values, values) << what << ", layer " << l;
+    }
+  };
+  both(0, 5, true);
+  both(5, 3, false);  // a pass with host and device rows of one context
+  expect_equal(8, "prefill");
+  both(8, 4, true);
+  both(12, 2, false);
+  truncate(13);  // drops staged rows: one host row of `mixed`, device rows of `device`
+  EXPECT_EQ(gpu_->context_length(device), 13);
+  expect_equal(13, "staged rows truncated");
+  both(13, 3, true);
+  truncate(14);  // drops staged device rows only
+  both(14, 2, false);
+  expect_equal(16, "truncated between staged device and host rows");
+  truncate(6);  // rolls back stored rows
+  both(6, 4, true);
+  truncate(9);
+  both(9, 7, true);
+  expect_equal(16, "stored rows rolled back, regrown from the device");
+  // A context grown past its first allocation (64 rows) while rows wait in the
+  // device staging area, which itself grows past its first 256 rows.
+  for (int i = 0; i < 20; ++i) both(0, 16, i % 3 != 0);
+  expect_equal(16 + 20 * 16, "grown");
+  // Drafts from the three contexts are the same too.
+  DraftOptions options;
+  options.collect_logits = true;
+  std::vector<DraftResult> results;
+  const CudaDraftRequest requests[] = {
+      {host, tokens_[3], nullptr}, {device, tokens_[3], nullptr}, {mixed, tokens_[3], nullptr}};
+  gpu_->draft(requests, options, results);
+  EXPECT_EQ(results[1].tokens, results[0].tokens);
+  EXPECT_EQ(results[1].confidence, results[0].confidence);
+  EXPECT_EQ(results[1].logits, results[0].logits);
+  EXPECT_EQ(results[2].logits, results[0].logits);
+}
+
 TEST_P(CudaDrafting, SamplingConsumesEachRowsStreamAsTheCpuDoes) {
   const int context = gpu_context(8), V = drafter_.dims.vocab_size;
   DraftOptions options;
@@ -708,6 +815,84 @@ TEST_P(CudaDrafting, SpeculativeDecodingWithTheGpuDrafterIsLossless) {
   options.seed = 7;
   for (const auto& result : speculative_generate(*target_, source, prompts, options))
     EXPECT_EQ(result.tokens.size(), 24u);
+}
+
+// The same source fed host taps: DraftSource's default accepts_device_taps()
+// (false) makes speculative_generate copy the target's taps to the host, as
+// for every source on the host.
+class HostTapsSource final : public DraftSource {
+ public:
+  explicit HostTapsSource(DraftSource& source) : source_(source) {}
+  std::vector<int> tap_layers() const override { return source_.tap_layers(); }
+  void begin(int row, std::span<const int32_t> prompt, uint64_t seed) override { source_.begin(row, prompt, seed); }
+  void accept(int row, std::span<const int32_t> tokens, const float* tapped_rows) override {
+    source_.accept(row, tokens, tapped_rows);
+  }
+  void propose(std::span<const int> rows, std::span<const int32_t> pending, std::span<const int> max_tokens,
+               const cpu::SamplingParams& sampling, std::vector<Proposal>& proposals) override {
+    source_.propose(rows, pending, max_tokens, sampling, proposals);
+  }
+  void end(int row) override { source_.end(row); }
+
+ private:
+  DraftSource& source_;
+};
+
+TEST_P(CudaDrafting, SpeculativeDecodingWithDeviceTapsEqualsHostTaps) {
+  // The GPU drafter beside the CUDA target reads the target's taps on the
+  // device; through the host they reach the same bf16 bits, so every round
+  // (drafts, confidences, verdicts, emitted tokens) is the same, greedy and
+  // sampled, for a ragged batch (prompts of different lengths, one with
+  // nothing to prefill) and for one request alone.
+  std::vector<std::vector<int32_t>> prompts;
+  const Json forward = testing::golden_reference("qwen3", "forward.json");
+  for (const auto& prompt : forward["prompts"]) prompts.push_back(prompt["ids"].get<std::vector<int32_t>>());
+  prompts.push_back(std::vector<int32_t>(tokens_.begin(), tokens_.begin() + 11));
+  prompts.push_back({tokens_[2]});
+  CudaDSparkSource device_source(drafter_, *cuda_target_head(*target_));
+  CudaDSparkSource inner(drafter_, *cuda_target_head(*target_));
+  HostTapsSource host_source(inner);
+  ASSERT_TRUE(device_source.accepts_device_taps());
+  ASSERT_FALSE(host_source.accepts_device_taps());
+  SpeculativeOptions options;
+  options.max_new_tokens = 20;
+  options.ignore_eos = true;
+  options.trace = true;
+  long rounds = 0, rollbacks = 0, accepted = 0;
+  for (const bool sampled : {false, true}) {
+    options.sampling = sampled ? cpu::SamplingParams{0.8f, 20, 0.95f} : cpu::SamplingParams{};
+    options.seed = 7;
+    for (const size_t batch : {prompts.size(), size_t(1)}) {
+      const std::span<const std::vector<int32_t>> batch_prompts = std::span(prompts).first(batch);
+      for (const int gamma : {1, 6}) {
+        options.gamma = gamma;
+        const std::string what = std::string(sampled ? "sampled" : "greedy") + ", batch " + std::to_string(batch) +
+                                 ", gamma " + std::to_string(gamma);
+        const auto on_device = speculative_generate(*target_, device_source, batch_prompts, options);
+        const auto on_host = speculative_generate(*target_, host_source, batch_prompts, options);
+        ASSERT_EQ(on_device.size(), on_host.size()) << what;
+        for (size_t r = 0; r < on_host.size(); ++r) {
+          const std::string request = what + ", request " + std::to_string(r);
+          EXPECT_EQ(on_device[r].tokens, on_host[r].tokens) << request;
+          EXPECT_EQ(on_device[r].stop_reason, on_host[r].stop_reason) << request;
+          ASSERT_EQ(on_device[r].trace.size(), on_host[r].trace.size()) << request;
+          for (size_t k = 0; k < on_host[r].trace.size(); ++k) {
+            const RoundTrace &device_round = on_device[r].trace[k], &host_round = on_host[r].trace[k];
+            EXPECT_EQ(device_round.draft, host_round.draft) << request << ", round " << k;
+            EXPECT_EQ(device_round.confidence, host_round.confidence) << request << ", round " << k;
+            EXPECT_EQ(device_round.accepted, host_round.accepted) << request << ", round " << k;
+            EXPECT_EQ(device_round.emitted, host_round.emitted) << request << ", round " << k;
+            ++rounds;
+            rollbacks += host_round.accepted < int(host_round.draft.size());
+            accepted += host_round.accepted;
+          }
+        }
+      }
+    }
+  }
+  std::printf("[ %s ] %ld rounds, %ld with rejected drafts rolled back, %ld drafted tokens accepted\n",
+              GetParam().c_str(), rounds, rollbacks, accepted);
+  EXPECT_GT(rollbacks, 0) << "no round rolled a rejected draft back";
 }
 
 TEST_P(CudaDrafting, ThresholdPruningFollowsTheSourcesSetting) {

@@ -1,3 +1,5 @@
+#include <algorithm>
+
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/draft.h"
@@ -89,7 +91,41 @@ __global__ void scatter_rows_kernel(bf16* const* destinations, const bf16* rows,
   for (int i = threadIdx.x; i < width; i += kThreads) destination[i] = source[i];
 }
 
+__global__ void f32_to_bf16_kernel(uint16_t* out, const float* in, long count) {
+  for (long i = blockIdx.x * long(kThreads) + threadIdx.x; i < count; i += long(gridDim.x) * kThreads) {
+    const uint32_t bits = __float_as_uint(in[i]);
+    const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;  // core/dtype.h's f32_to_bf16, bit for bit
+    out[i] = static_cast<uint16_t>(nan ? (bits >> 16) | 0x40u : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  }
+}
+
+__global__ void gather_staged_rows_kernel(bf16* rows, const bf16* staged, const int32_t* sources, int width) {
+  const int32_t source = sources[blockIdx.x];
+  if (source == kKeepRow) return;
+  bf16* destination = rows + static_cast<long>(blockIdx.x) * width;
+  if (source == kZeroRow) {
+    for (int i = threadIdx.x; i < width; i += kThreads) destination[i] = __ushort_as_bfloat16(0);
+    return;
+  }
+  const bf16* row = staged + static_cast<long>(source) * width;
+  for (int i = threadIdx.x; i < width; i += kThreads) destination[i] = row[i];
+}
+
 }  // namespace
+
+void f32_to_bf16_forward(bf16* out, const float* in, long count, cudaStream_t stream) {
+  if (count <= 0) return;
+  const long blocks = std::min<long>((count + kThreads - 1) / kThreads, 4096);
+  f32_to_bf16_kernel<<<static_cast<int>(blocks), kThreads, 0, stream>>>(reinterpret_cast<uint16_t*>(out), in, count);
+  CUDA_CHECK_LAUNCH();
+}
+
+void gather_staged_rows_forward(bf16* rows, const bf16* staged, const int32_t* sources, int count, int width,
+                                cudaStream_t stream) {
+  if (count == 0) return;
+  gather_staged_rows_kernel<<<count, kThreads, 0, stream>>>(rows, staged, sources, width);
+  CUDA_CHECK_LAUNCH();
+}
 
 void draft_block_forward(float* block, const float* token_rows, const float* mask_embedding,
                          const float* block_position, int rows, int gamma, int dim, cudaStream_t stream) {

@@ -76,4 +76,18 @@ void recurrent_update_forward(float* state, float* output, const float* pre, con
 void scatter_rows_forward(__nv_bfloat16* const* destinations, const __nv_bfloat16* rows, int count, int width,
                           cudaStream_t stream);
 
+// out[i] = bf16(in[i]) for count values, rounded to nearest even with NaNs kept
+// NaN exactly as the host's f32_to_bf16 (core/dtype.h): the bits of target
+// taps converted here equal those converted on the host.
+void f32_to_bf16_forward(__nv_bfloat16* out, const float* in, long count, cudaStream_t stream);
+
+// Fills rows [count, width] of one context-extension pass from staged rows
+// [*, width]: rows[i] = staged[sources[i]] where sources[i] >= 0, zeros where
+// sources[i] == kZeroRow, untouched where it is kKeepRow (a row already copied
+// there from the host).
+constexpr int32_t kKeepRow = -1;
+constexpr int32_t kZeroRow = -2;
+void gather_staged_rows_forward(__nv_bfloat16* rows, const __nv_bfloat16* staged, const int32_t* sources, int count,
+                                int width, cudaStream_t stream);
+
 }  // namespace dspark::cuda
