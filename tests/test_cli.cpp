@@ -197,6 +197,11 @@ TEST(CliSpeculative, GreedyTextIsTheSameWithAndWithoutADraft) {
     }
     EXPECT_EQ(emitted, spec["tokens"].size());
   }
+  // A drafter drafts at most the block it was trained for: more is an error, not a silent cut.
+  const auto too_long = run_dspark(
+      {"generate", "-m", target, "-p", prompt, "-n", "8", "-d", (directory.path / "d").string(), "--gamma", "5"});
+  EXPECT_NE(too_long.exit_code, 0);
+  EXPECT_NE(too_long.err.find("exceeds the drafter's gamma of 4"), std::string::npos) << too_long.err;
 }
 
 TEST(CliSpeculative, BenchSpecRunsBothAndReportsAMatch) {

@@ -223,7 +223,7 @@ void run_bench_spec(const BenchSpecFlags& flags) {
     prompts.push_back(tokenize_prompt(tokenizer, entry, flags.chat));
   DSPARK_CHECK(!prompts.empty(), flags.prompts, ": no usable prompts");
   LoadedDraftSource source = load_draft_source(flags.draft, flags.model, *target, 0.0f);
-  const int gamma = flags.gamma > 0 ? flags.gamma : source.default_gamma;
+  const int gamma = source.gamma_for(flags.gamma);
   const cpu::SamplingParams sampling{flags.temperature, 0, 1.0f};
   const std::vector<int> batches = flags.sweep ? std::vector<int>{1, 2, 4, 8, 16, 32, 64} : flags.batches;
   const std::vector<std::string> schedules =

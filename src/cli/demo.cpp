@@ -82,7 +82,7 @@ void run_demo(const DemoFlags& flags) {
   const Tokenizer tokenizer = Tokenizer::load(flags.model);
   const ModelConfig& config = target->config();
   LoadedDraftSource source = load_draft_source(flags.draft, flags.model, *target, 0.0f);
-  const int gamma = flags.gamma > 0 ? flags.gamma : source.default_gamma;
+  const int gamma = source.gamma_for(flags.gamma);
   VerifySchedules schedules(*target, source, flags.model, flags.draft, {flags.schedule}, 1, gamma, default_sps_cache_path(),
                             false);
 

@@ -80,7 +80,7 @@ void run_generate(const GenerateFlags& flags) {
     options.sampling = sampling;
     options.seed = flags.seed;
     options.ignore_eos = flags.ignore_eos;
-    options.gamma = flags.gamma > 0 ? flags.gamma : source.default_gamma;
+    options.gamma = source.gamma_for(flags.gamma);
     options.trace = flags.trace;
     SpeculativeTiming timing;
     const std::vector<std::vector<int32_t>> prompts = {prompt};

@@ -10,6 +10,13 @@
 
 namespace dspark {
 
+int LoadedDraftSource::gamma_for(int requested) const {
+  if (requested <= 0) return default_gamma;
+  DSPARK_CHECK(!drafter || requested <= drafter->config.gamma, "--gamma ", requested, " exceeds the drafter's gamma of ",
+               drafter->config.gamma, " (the block it was trained to draft)");
+  return requested;
+}
+
 LoadedDraftSource load_draft_source(const std::string& name, const std::filesystem::path& target_directory,
                                     const Target& target, float min_confidence) {
   LoadedDraftSource loaded;

@@ -17,6 +17,10 @@ struct LoadedDraftSource {
   std::unique_ptr<TargetHeadWeights> head;  // the target's embedding / LM head it reads (CPU drafting only)
   std::unique_ptr<DraftSource> source;
   int default_gamma = 8;
+  // The γ a run drafts: `requested` when positive, else default_gamma. A
+  // DSpark drafter drafts at most the block it was trained for; asking for
+  // more is an error, not a silent cut.
+  int gamma_for(int requested) const;
 };
 
 LoadedDraftSource load_draft_source(const std::string& name, const std::filesystem::path& target_directory,
