@@ -6,7 +6,11 @@
 //                                       already holding the new tokens)
 //   out   [rows, heads, head_dim]
 // Query r attends to cache positions 0 .. first_position + r; scale
-// head_dim^-0.5. `scores` is scratch of at least first_position + rows floats.
+// head_dim^-0.5. Vectorised and spread over the kernels' worker pool; a
+// row's output bits do not depend on `rows` (the same token gives the same
+// output in a decode step and inside a verify block) or on the thread count.
+// `scores` is unused (the kernel keeps per-thread scratch); callers still pass
+// scratch of at least first_position + rows floats.
 #pragma once
 
 namespace dspark::cpu {
