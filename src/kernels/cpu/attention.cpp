@@ -173,34 +173,10 @@ template <int W, int Registers, int Queries>
 
 // ---- pass 2: softmax numerators and totals ----------------------------------------
 
-// exp(x) for x <= 0 (scores minus their maximum), Cephes' expf: x = n ln2 + r,
-// |r| <= ln2 / 2, a degree-7 polynomial in r, times 2^n built in the exponent
-// bits; relative error ~2e-7. Below -87 (where 2^n would leave the normal
-// range) it returns 0: such a weight is < 1.7e-38 of the maximum's.
-template <class V, int W>
-[[gnu::always_inline]] inline V exp_nonpositive(V x) {
-  typedef int Ints __attribute__((vector_size(W * sizeof(int))));
-  const V floor_value = V{} - 87.0f;
-  const V clamped = x < floor_value ? floor_value : x;
-  // Round x / ln2 to the nearest integer (adding and subtracting 1.5 * 2^23).
-  const V n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  V r = clamped - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  V y = V{} + 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * (r * r) + r + 1.0f;
-  const Ints exponent = (__builtin_convertvector(n, Ints) + 127) << 23;
-  const V result = y * (V)exponent;  // a vector cast keeps the bits
-  return x < floor_value ? V{} : result;
-}
-
 // Query j's scores over its visible positions become exp(s - max); returns
 // their sum. The row is padded to a whole vector with -inf (weight 0), so the
-// same visible length always takes the same steps.
+// same visible length always takes the same steps. simd::exp flushes weights
+// below e^-87.3 (< 1e-38 of the maximum's) to 0.
 template <int W>
 [[gnu::always_inline]] inline float softmax_numerators(float* scores, int visible) {
   using V = typename Floats<W>::Vector;
@@ -216,7 +192,7 @@ template <int W>
   for (int i = 1; i < W; ++i) largest = std::max(largest, float(maximum[i]));
   V total[1] = {V{}};
   for (int t = 0; t < padded; t += W) {
-    const V e = exp_nonpositive<V, W>(load<V>(scores + t) - largest);
+    const V e = simd::exp<W>(load<V>(scores + t) - largest);
     store(scores + t, e);
     total[0] += e;
   }

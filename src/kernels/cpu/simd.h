@@ -91,6 +91,36 @@ template <int W, int First, class V, int Count>
   }
 }
 
+// exp(x) lane by lane, Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a
+// degree-7 polynomial in r, times 2^n built in the exponent bits (as two
+// factors 2^(n/2) 2^(n - n/2), so n = 128 needs no special case); relative
+// error ~2e-7. Below -87.3 (where 2^n would leave the normal range) it
+// returns 0, above 88.72 infinity; NaN stays NaN. The same input gives the
+// same bits in every lane and every call (for one instruction set), unlike
+// a libm call whose result a vectorised loop's tail might compute another way.
+template <int W, class V>
+[[gnu::always_inline]] inline V exp(V x) {
+  typedef int Ints __attribute__((vector_size(W * sizeof(int))));
+  const V lowest = V{} - 87.3f, highest = V{} + 88.72f;
+  V clamped = x < lowest ? lowest : x;
+  clamped = clamped > highest ? highest : clamped;
+  // Round x / ln2 to the nearest integer (adding and subtracting 1.5 * 2^23).
+  const V n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  V r = clamped - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  V y = V{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  const Ints whole = __builtin_convertvector(n, Ints), half = whole >> 1;
+  const Ints first = (half + 127) << 23, second = (whole - half + 127) << 23;
+  const V result = y * (V)first * (V)second;  // a vector cast keeps the bits
+  return x < lowest ? V{} : x > highest ? V{} + __builtin_inff() : result;
+}
+
 }  // namespace dspark::cpu::simd
 
 #pragma GCC diagnostic pop
