@@ -36,6 +36,7 @@ struct Case {
   Shape shape;
   int rows, first_position;
   std::vector<float> q, keys, values;
+  bool bidirectional = false;  // every row sees all first_position + rows positions
 };
 
 Case make_case(Rng& rng, Shape shape, int rows, int first_position, float sharpness) {
@@ -73,7 +74,8 @@ void expect_matches_reference(const Case& c, const std::vector<float>& result, c
   int reported = 0;
   for (int r = 0; r < c.rows; ++r)
     for (int h = 0; h < s.heads; ++h) {
-      const int visible = c.first_position + r + 1, kv_head = h / group;
+      const int visible = c.bidirectional ? c.first_position + c.rows : c.first_position + r + 1;
+      const int kv_head = h / group;
       const float* query = c.q.data() + (long(r) * s.heads + h) * s.head_dim;
       std::vector<double> weights(visible);
       double maximum = -INFINITY, largest_score = 0.0;
@@ -143,6 +145,28 @@ TEST_F(AttentionTest, MatchesDoubleReference) {
       const Case c = make_case(rng, {6, 2, 64}, rows, 90, 30.0f);
       expect_matches_reference(c, run(c, 0, rows), "attention_forward, sharp");
     }
+  }
+}
+
+// The drafter's unmasked attention (heads == kv_heads, every row sees every
+// key, the block's own included).
+TEST_F(AttentionTest, BidirectionalMatchesDoubleReference) {
+  Rng rng(23);
+  for (MatmulIsa isa : supported()) {
+    cpu::set_matmul_isa(isa);
+    SCOPED_TRACE(cpu::matmul_isa_name(isa));
+    for (const Shape& shape : {Shape{4, 4, 64}, Shape{2, 2, 4}, Shape{3, 3, 7}})
+      for (int context : {0, 9, 200})
+        for (int rows : {1, 7, 16}) {
+          Case c = make_case(rng, shape, rows, context, 1.0f);
+          c.bidirectional = true;
+          const int kv_rows = context + rows;
+          std::vector<float> out(size_t(rows) * shape.heads * shape.head_dim, std::nanf(""));
+          std::vector<float> scores(kv_rows);
+          cpu::bidirectional_attention_forward(out.data(), c.q.data(), c.keys.data(), c.values.data(), rows, kv_rows,
+                                               shape.heads, shape.head_dim, scores.data());
+          expect_matches_reference(c, out, "bidirectional_attention_forward");
+        }
   }
 }
 

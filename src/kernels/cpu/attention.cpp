@@ -1,18 +1,18 @@
-// Causal attention over the KV cache (attention_forward) is the CPU target's
-// prefill, decode and verify attention; the drafter's bidirectional attention
-// and its backward use OpenBLAS.
+// Causal attention over the KV cache (attention_forward: the CPU target's
+// prefill, decode and verify) and the drafter's unmasked block attention
+// (bidirectional_attention_forward) share one kernel; the latter's backward
+// (training) uses OpenBLAS.
 //
-// attention_forward: each chunk of work is one KV head and a block of query
-// rows; its queries are the group = heads / kv_heads query heads of that KV
-// head for each row of the block (the grouped-query heads share every key and
-// value row load). Three passes per chunk:
+// The kernel: each chunk of work is one KV head and a block of query rows; its
+// queries are the group = heads / kv_heads query heads of that KV head for
+// each row of the block (the grouped-query heads share every key and value
+// row load). Three passes per chunk:
 //   1. scores[j, t] = scale * q_j . k_t for every query j and position t of
 //      the block's longest row: "dot" tiles of Keys positions x Queries
 //      queries, vector accumulators along head_dim, lane sums by simd.h's
 //      fixed tree (the matmul's [out, in] tile, with keys for weight rows);
 //   2. per query, over its own visible positions: the maximum, exp(s - max)
-//      by a vectorised polynomial, and their sum (vector accumulators, fixed
-//      lane tree);
+//      (simd::exp), and their sum (vector accumulators, fixed lane tree);
 //   3. out_j = (sum_t p_j[t] v_t) / total_j: "axpy" tiles of Queries queries x
 //      Vectors head_dim vectors, each value row loaded once per tile.
 // Chunks are spread over the worker pool (parallel.h).
@@ -35,6 +35,7 @@
 
 #include <cblas.h>
 
+#include "core/error.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/simd.h"
@@ -51,12 +52,13 @@ using simd::sum_lanes;
 
 // ---- the problem and its chunks ------------------------------------------------
 
-struct CausalProblem {
+struct AttentionProblem {
   float* out;
   const float* q;
   const float* keys;
   const float* values;
   int rows, first_position, heads, kv_heads, head_dim, group;
+  int kv_rows;     // 0: causal (row r sees first_position + r + 1 positions); else every row sees kv_rows
   long kv_stride;  // floats between consecutive positions of the cache
   float scale;
   int block_rows;  // query rows per chunk
@@ -66,7 +68,7 @@ struct CausalProblem {
 // One chunk: KV head `kv_head`, rows [row, row + count). Query j (0 <= j <
 // count * group) is row row + j / group, head kv_head * group + j % group.
 struct Chunk {
-  const CausalProblem& p;
+  const AttentionProblem& p;
   int kv_head, row, count;
   float* scores;  // [count * group, stride]
   long stride;    // floats per query's scores: the longest row's visible positions, rounded up to a vector
@@ -76,7 +78,7 @@ struct Chunk {
   }
   const float* query(int j) const { return p.q + query_offset(j); }
   float* output(int j) const { return p.out + query_offset(j); }
-  int visible(int j) const { return p.first_position + row + j / p.group + 1; }
+  int visible(int j) const { return p.kv_rows ? p.kv_rows : p.first_position + row + j / p.group + 1; }
   const float* key(int t) const { return p.keys + t * p.kv_stride + long(kv_head) * p.head_dim; }
   const float* value(int t) const { return p.values + t * p.kv_stride + long(kv_head) * p.head_dim; }
 };
@@ -263,10 +265,10 @@ template <int W, int Vectors, int Queries>
 // ---- one chunk ----------------------------------------------------------------------
 
 template <int W, const AttentionTiles& Tiles>
-[[gnu::always_inline]] inline void causal_chunk(const CausalProblem& p, int chunk) {
+[[gnu::always_inline]] inline void attention_chunk(const AttentionProblem& p, int chunk) {
   const int kv_head = chunk / p.row_blocks, block = chunk % p.row_blocks;
   const int row = block * p.block_rows, count = std::min(p.block_rows, p.rows - row);
-  const int queries = count * p.group, positions = p.first_position + row + count;
+  const int queries = count * p.group, positions = p.kv_rows ? p.kv_rows : p.first_position + row + count;
   Scratch& scratch = thread_scratch();
   const long stride = (positions + W - 1) / W * W;
   if (scratch.scores.size() < size_t(queries * stride)) scratch.scores.resize(size_t(queries * stride));
@@ -294,23 +296,23 @@ template <int W, const AttentionTiles& Tiles>
 // The vector width: the instruction set's, or the widest narrower power of two
 // that divides head_dim (a property of the model, never of the call).
 template <const AttentionTiles& Tiles>
-[[gnu::always_inline]] inline void causal_chunk(const void* problem, int chunk) {
-  const CausalProblem& p = *static_cast<const CausalProblem*>(problem);
+[[gnu::always_inline]] inline void attention_chunk(const void* problem, int chunk) {
+  const AttentionProblem& p = *static_cast<const AttentionProblem*>(problem);
   if constexpr (Tiles.width >= 16)
-    if (p.head_dim % 16 == 0) return causal_chunk<16, Tiles>(p, chunk);
+    if (p.head_dim % 16 == 0) return attention_chunk<16, Tiles>(p, chunk);
   if constexpr (Tiles.width >= 8)
-    if (p.head_dim % 8 == 0) return causal_chunk<8, Tiles>(p, chunk);
-  if (p.head_dim % 4 == 0) return causal_chunk<4, Tiles>(p, chunk);
-  if (p.head_dim % 2 == 0) return causal_chunk<2, Tiles>(p, chunk);
-  causal_chunk<1, Tiles>(p, chunk);
+    if (p.head_dim % 8 == 0) return attention_chunk<8, Tiles>(p, chunk);
+  if (p.head_dim % 4 == 0) return attention_chunk<4, Tiles>(p, chunk);
+  if (p.head_dim % 2 == 0) return attention_chunk<2, Tiles>(p, chunk);
+  attention_chunk<1, Tiles>(p, chunk);
 }
-__attribute__((target("arch=x86-64-v4"))) void causal_chunk_avx512(const void* problem, int chunk) {
-  causal_chunk<kAvx512Attention>(problem, chunk);
+__attribute__((target("arch=x86-64-v4"))) void attention_chunk_avx512(const void* problem, int chunk) {
+  attention_chunk<kAvx512Attention>(problem, chunk);
 }
-__attribute__((target("arch=x86-64-v3"))) void causal_chunk_avx2(const void* problem, int chunk) {
-  causal_chunk<kAvx2Attention>(problem, chunk);
+__attribute__((target("arch=x86-64-v3"))) void attention_chunk_avx2(const void* problem, int chunk) {
+  attention_chunk<kAvx2Attention>(problem, chunk);
 }
-void causal_chunk_baseline(const void* problem, int chunk) { causal_chunk<kBaselineAttention>(problem, chunk); }
+void attention_chunk_baseline(const void* problem, int chunk) { attention_chunk<kBaselineAttention>(problem, chunk); }
 
 // Chunks smaller than this many multiply-adds (a few microseconds) are not
 // worth handing to a worker: a short decode step's attention runs on the
@@ -319,49 +321,45 @@ constexpr long kMinChunkWork = 1L << 16;
 // Longest row block: bounds the scratch (queries x positions floats).
 constexpr int kMaxBlockRows = 16;
 
-}  // namespace
-
-void attention_forward(float* out, const float* q, const float* keys, const float* values, int rows,
-                       int first_position, int heads, int kv_heads, int head_dim, float* scores) {
-  if (rows <= 0) return;
-  CausalProblem p{out,      q,        keys, values, rows, first_position, heads, kv_heads, head_dim, heads / kv_heads,
-                  long(kv_heads) * head_dim, 1.0f / std::sqrt(static_cast<float>(head_dim)), 0, 0};
-  // Multiply-adds: two per (query, visible position, head_dim element).
-  const long work = 2L * heads * head_dim * (long(rows) * first_position + long(rows) * (rows + 1) / 2);
+// Cuts p into chunks (KV head x row block) and runs them on the pool, or on
+// the calling thread alone when the whole is small. `work`: multiply-adds.
+void run_attention(AttentionProblem& p, long work) {
   const int threads = parallel_threads();
   // Row blocks per KV head: enough chunks for ~2 per thread, none of them tiny.
   const long most_chunks = std::min<long>(threads * 2L, work / kMinChunkWork);
-  int row_blocks = threads == 1 ? 1 : int(std::clamp<long>((most_chunks + kv_heads - 1) / kv_heads, 1, rows));
-  row_blocks = std::max(row_blocks, (rows + kMaxBlockRows - 1) / kMaxBlockRows);
-  p.block_rows = (rows + row_blocks - 1) / row_blocks;
-  p.row_blocks = (rows + p.block_rows - 1) / p.block_rows;
-  const int chunks = kv_heads * p.row_blocks;
+  int row_blocks = threads == 1 ? 1 : int(std::clamp<long>((most_chunks + p.kv_heads - 1) / p.kv_heads, 1, p.rows));
+  row_blocks = std::max(row_blocks, (p.rows + kMaxBlockRows - 1) / kMaxBlockRows);
+  p.block_rows = (p.rows + row_blocks - 1) / row_blocks;
+  p.row_blocks = (p.rows + p.block_rows - 1) / p.block_rows;
+  const int chunks = p.kv_heads * p.row_blocks;
   const MatmulIsa isa = matmul_isa();
-  const ParallelTask task = isa == MatmulIsa::Avx512 ? causal_chunk_avx512
-                            : isa == MatmulIsa::Avx2 ? causal_chunk_avx2
-                                                     : causal_chunk_baseline;
+  const ParallelTask task = isa == MatmulIsa::Avx512 ? attention_chunk_avx512
+                            : isa == MatmulIsa::Avx2 ? attention_chunk_avx2
+                                                     : attention_chunk_baseline;
   if (threads == 1 || work < 2 * kMinChunkWork)
     for (int chunk = 0; chunk < chunks; ++chunk) task(&p, chunk);
   else
     parallel_run(task, &p, chunks);
 }
 
+}  // namespace
+
+void attention_forward(float* out, const float* q, const float* keys, const float* values, int rows,
+                       int first_position, int heads, int kv_heads, int head_dim, float* scores) {
+  if (rows <= 0) return;
+  AttentionProblem p{out, q, keys, values, rows, first_position, heads, kv_heads, head_dim, heads / kv_heads, 0,
+                     long(kv_heads) * head_dim, 1.0f / std::sqrt(static_cast<float>(head_dim)), 0, 0};
+  // Multiply-adds: two per (query, visible position, head_dim element).
+  run_attention(p, 2L * heads * head_dim * (long(rows) * first_position + long(rows) * (rows + 1) / 2));
+}
+
 void bidirectional_attention_forward(float* out, const float* q, const float* keys, const float* values, int rows,
                                      int kv_rows, int heads, int head_dim, float* scores) {
-  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  const int stride = heads * head_dim;  // one head's rows are `stride` floats apart
-  for (int row = 0; row < rows; ++row)
-    for (int head = 0; head < heads; ++head) {
-      const long offset = long(head) * head_dim, query = long(row) * stride + offset;
-      // scores = scale K_h q;  out = V_h^T softmax(scores): BLAS matrix-vector products over the strided head.
-      cblas_sgemv(CblasRowMajor, CblasNoTrans, kv_rows, head_dim, scale, keys + offset, stride, q + query, 1, 0.0f,
-                  scores, 1);
-      const float maximum = *std::max_element(scores, scores + kv_rows);
-      float total = 0.0f;
-      for (int t = 0; t < kv_rows; ++t) total += (scores[t] = std::exp(scores[t] - maximum));
-      cblas_sgemv(CblasRowMajor, CblasTrans, kv_rows, head_dim, 1.0f / total, values + offset, stride, scores, 1, 0.0f,
-                  out + query, 1);
-    }
+  if (rows <= 0) return;
+  DSPARK_CHECK(kv_rows > 0, "unmasked attention needs at least one key");
+  AttentionProblem p{out, q, keys, values, rows, 0, heads, heads, head_dim, 1, kv_rows,
+                     long(heads) * head_dim, 1.0f / std::sqrt(static_cast<float>(head_dim)), 0, 0};
+  run_attention(p, 2L * heads * head_dim * rows * kv_rows);
 }
 
 void bidirectional_attention_backward(float* dq, float* dkeys, float* dvalues, const float* dout, const float* q,

@@ -21,7 +21,9 @@ void attention_forward(float* out, const float* q, const float* keys, const floa
 
 // Unmasked multi-head attention (the drafter's block attends to all of its
 // context and to itself): q [rows, heads, hd]; keys, values [kv_rows, heads, hd];
-// out [rows, heads, hd]; scale hd^-0.5. `scores` is scratch of kv_rows floats.
+// out [rows, heads, hd]; scale hd^-0.5. The same kernel as attention_forward
+// (a row's bits do not depend on `rows` or the thread count). `scores` is
+// unused; callers still pass scratch of kv_rows floats.
 void bidirectional_attention_forward(float* out, const float* q, const float* keys, const float* values, int rows,
                                      int kv_rows, int heads, int head_dim, float* scores);
 
