@@ -1,7 +1,9 @@
 // The vectorised elementwise CPU kernels against scalar references, under
 // every instruction set the CPU supports: argmax (exactly the scalar loop's
 // answer, ties and NaNs included, for lengths that are and are not whole
-// vectors) and SwiGLU (double-precision silu(g) u).
+// vectors), SwiGLU (double-precision silu(g) u) and RMSNorm (double
+// precision, widths that are and are not whole vectors of the sum's
+// four accumulators).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,6 +14,7 @@
 #include "gradient_check.h"
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/matmul.h"
+#include "kernels/cpu/rmsnorm.h"
 #include "kernels/cpu/sampling.h"
 
 namespace dspark {
@@ -83,6 +86,35 @@ TEST_F(ElementwiseTest, SwigluMatchesDoubleReference) {
       cpu::swiglu_forward(in_place.data(), in_place.data(), up.data(), count);
       EXPECT_EQ(in_place, out);
     }
+  }
+}
+
+TEST_F(ElementwiseTest, RmsnormMatchesDoubleReference) {
+  Rng rng(33);
+  const float eps = 1e-6f;
+  for (MatmulIsa isa : supported()) {
+    cpu::set_matmul_isa(isa);
+    SCOPED_TRACE(cpu::matmul_isa_name(isa));
+    for (int dim : {1, 3, 8, 31, 64, 65, 384, 389})
+      for (int rows : {1, 3}) {
+        const std::vector<float> x = random_values(rng, size_t(rows) * dim, 3.0f), weight = random_values(rng, dim, 2.0f);
+        std::vector<float> out(x.size(), std::nanf(""));
+        cpu::rmsnorm_forward(out.data(), x.data(), weight.data(), rows, dim, eps);
+        for (int r = 0; r < rows; ++r) {
+          double squares = 0.0;
+          for (int i = 0; i < dim; ++i) squares += double(x[size_t(r) * dim + i]) * x[size_t(r) * dim + i];
+          const double scale = 1.0 / std::sqrt(squares / dim + eps);
+          for (int i = 0; i < dim; ++i) {
+            const double expected = x[size_t(r) * dim + i] * scale * weight[i];
+            EXPECT_NEAR(out[size_t(r) * dim + i], expected, 3e-7 * std::fabs(expected) + 1e-30)
+                << "dim " << dim << " row " << r << " at " << i;
+          }
+        }
+        // In place, as the transformer's q/k norms call it.
+        std::vector<float> in_place = x;
+        cpu::rmsnorm_forward(in_place.data(), in_place.data(), weight.data(), rows, dim, eps);
+        EXPECT_EQ(in_place, out);
+      }
   }
 }
 

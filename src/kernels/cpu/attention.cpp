@@ -40,8 +40,6 @@
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/simd.h"
 
-#pragma GCC diagnostic ignored "-Wpsabi"
-
 namespace dspark::cpu {
 namespace {
 

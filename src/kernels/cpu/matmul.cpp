@@ -37,11 +37,6 @@
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/simd.h"
 
-// The vector types below are wider than the baseline ABI's registers; they
-// never cross a call (everything is inlined into the per-target entry points),
-// so GCC's note that passing them would change the ABI does not apply.
-#pragma GCC diagnostic ignored "-Wpsabi"
-
 namespace dspark::cpu {
 namespace {
 

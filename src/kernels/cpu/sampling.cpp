@@ -7,8 +7,6 @@
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/simd.h"
 
-#pragma GCC diagnostic ignored "-Wpsabi"
-
 namespace dspark::cpu {
 namespace {
 

@@ -15,14 +15,28 @@
 #include <cstring>
 #include <utility>
 
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpsabi"
-
+// These wide vectors never cross a call (everything here is inlined into the
+// per-instruction-set entry points), so GCC's -Wpsabi remarks that passing or
+// returning them would change the ABI do not apply; CMakeLists.txt turns them
+// off (a pragma cannot: GCC reports them against this header after the
+// includer's code instantiates it). Internal linkage: each kernel file keeps
+// its own inlined copies.
 namespace dspark::cpu::simd {
+namespace {
 
 template <int W>
 struct Floats {
   typedef float Vector __attribute__((vector_size(W * sizeof(float))));
+};
+// (Vector types of a template-dependent size must be declared like this, in a
+// class template: GCC ignores vector_size on a dependent local typedef.)
+template <int W>
+struct Ints {
+  typedef int Vector __attribute__((vector_size(W * sizeof(int))));
+};
+template <int W>
+struct Doubles {
+  typedef double Vector __attribute__((vector_size(W * sizeof(double))));
 };
 
 template <class V>
@@ -100,7 +114,7 @@ template <int W, int First, class V, int Count>
 // a libm call whose result a vectorised loop's tail might compute another way.
 template <int W, class V>
 [[gnu::always_inline]] inline V exp(V x) {
-  typedef int Ints __attribute__((vector_size(W * sizeof(int))));
+  using Ints = typename simd::Ints<W>::Vector;
   const V lowest = V{} - 87.3f, highest = V{} + 88.72f;
   V clamped = x < lowest ? lowest : x;
   clamped = clamped > highest ? highest : clamped;
@@ -121,6 +135,5 @@ template <int W, class V>
   return x < lowest ? V{} : x > highest ? V{} + __builtin_inff() : result;
 }
 
+}  // namespace
 }  // namespace dspark::cpu::simd
-
-#pragma GCC diagnostic pop
