@@ -323,8 +323,12 @@ constexpr int kMaxBlockRows = 16;
 // the calling thread alone when the whole is small. `work`: multiply-adds.
 void run_attention(AttentionProblem& p, long work) {
   const int threads = parallel_threads();
-  // Row blocks per KV head: enough chunks for ~2 per thread, none of them tiny.
-  const long most_chunks = std::min<long>(threads * 2L, work / kMinChunkWork);
+  // Row blocks per KV head: about one chunk per thread, none of them tiny.
+  // Fewer, larger chunks beat finer claiming here: a chunk's queries share
+  // every key and value load, and with 3 queries (one row of the demo target)
+  // those loads, not the FMAs, are the cost (bench/attention_benchmark.cpp:
+  // 2 rows over 2048 positions took 102 us as 4 chunks, 61 us as 2).
+  const long most_chunks = std::min<long>(threads, work / kMinChunkWork);
   int row_blocks = threads == 1 ? 1 : int(std::clamp<long>((most_chunks + p.kv_heads - 1) / p.kv_heads, 1, p.rows));
   row_blocks = std::max(row_blocks, (p.rows + kMaxBlockRows - 1) / kMaxBlockRows);
   p.block_rows = (p.rows + row_blocks - 1) / row_blocks;
