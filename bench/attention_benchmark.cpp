@@ -51,17 +51,17 @@ void attend_one(float* out, const float* query, const float* keys, const float* 
   }
 }
 
-void scalar_attention(float* out, const float* q, const float* keys, const float* values, int rows,
-                      int first_position, int heads, int kv_heads, int head_dim, float* scores) {
+void scalar_attention(float* out, const float* q, const float* keys, const float* values, int rows, int first_position,
+                      int heads, int kv_heads, int head_dim, float* scores) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   const int group = heads / kv_heads;
   const long kv_stride = static_cast<long>(kv_heads) * head_dim;
   for (int row = 0; row < rows; ++row)
     for (int head = 0; head < heads; ++head)
       attend_one(out + (static_cast<long>(row) * heads + head) * head_dim,
-                 q + (static_cast<long>(row) * heads + head) * head_dim, keys + static_cast<long>(head / group) * head_dim,
-                 values + static_cast<long>(head / group) * head_dim, first_position + row + 1, kv_stride, head_dim,
-                 scale, scores);
+                 q + (static_cast<long>(row) * heads + head) * head_dim,
+                 keys + static_cast<long>(head / group) * head_dim, values + static_cast<long>(head / group) * head_dim,
+                 first_position + row + 1, kv_stride, head_dim, scale, scores);
 }
 
 std::vector<float> random_floats(Rng& rng, size_t count) {

@@ -44,9 +44,12 @@ Case make_case(Rng& rng, Shape shape, int rows, int first_position, float sharpn
   const size_t kv = size_t(positions) * shape.kv_heads * shape.head_dim;
   // q . k / sqrt(hd) with entries uniform in [-a, a] has spread a^2 / 3.
   const float amplitude = std::sqrt(3.0f * sharpness);
-  return Case{shape, rows, first_position,
+  return Case{shape,
+              rows,
+              first_position,
               random_values(rng, size_t(rows) * shape.heads * shape.head_dim, amplitude),
-              random_values(rng, kv, amplitude), random_values(rng, kv, 1.0f)};
+              random_values(rng, kv, amplitude),
+              random_values(rng, kv, 1.0f)};
 }
 
 // Runs attention_forward for rows [row, row + count) of `c` (their queries,

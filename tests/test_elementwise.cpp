@@ -97,7 +97,8 @@ TEST_F(ElementwiseTest, RmsnormMatchesDoubleReference) {
     SCOPED_TRACE(cpu::matmul_isa_name(isa));
     for (int dim : {1, 3, 8, 31, 64, 65, 384, 389})
       for (int rows : {1, 3}) {
-        const std::vector<float> x = random_values(rng, size_t(rows) * dim, 3.0f), weight = random_values(rng, dim, 2.0f);
+        const std::vector<float> x = random_values(rng, size_t(rows) * dim, 3.0f),
+                                 weight = random_values(rng, dim, 2.0f);
         std::vector<float> out(x.size(), std::nanf(""));
         cpu::rmsnorm_forward(out.data(), x.data(), weight.data(), rows, dim, eps);
         for (int r = 0; r < rows; ++r) {

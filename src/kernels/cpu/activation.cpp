@@ -29,11 +29,10 @@ template <int W>
   }
 }
 __attribute__((target("arch=x86-64-v4"))) void swiglu_avx512(float* out, const float* gate, const float* up,
-                                                              long count) {
+                                                             long count) {
   swiglu<16>(out, gate, up, count);
 }
-__attribute__((target("arch=x86-64-v3"))) void swiglu_avx2(float* out, const float* gate, const float* up,
-                                                            long count) {
+__attribute__((target("arch=x86-64-v3"))) void swiglu_avx2(float* out, const float* gate, const float* up, long count) {
   swiglu<8>(out, gate, up, count);
 }
 void swiglu_baseline(float* out, const float* gate, const float* up, long count) { swiglu<4>(out, gate, up, count); }
@@ -64,7 +63,8 @@ void gelu_tanh_gate_backward(float* dgate, float* dup, const float* dout, const 
     const float t = std::tanh(kSqrtTwoOverPi * (x + kGeluCubic * x * x * x));
     const float gelu = 0.5f * x * (1.0f + t);
     // d gelu / dx = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
-    const float slope = 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrtTwoOverPi * (1.0f + 3.0f * kGeluCubic * x * x);
+    const float slope =
+        0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrtTwoOverPi * (1.0f + 3.0f * kGeluCubic * x * x);
     dgate[i] += dout[i] * up[i] * slope;
     dup[i] += dout[i] * gelu;
   }

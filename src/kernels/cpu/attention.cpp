@@ -29,11 +29,11 @@
 // instruction set (vector width, FMA), which is fixed for a process.
 #include "kernels/cpu/attention.h"
 
+#include <cblas.h>
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
-
-#include <cblas.h>
 
 #include "core/error.h"
 #include "kernels/cpu/matmul.h"
@@ -108,7 +108,9 @@ constexpr AttentionTiles kBaselineAttention{4, 15, 3, 2};
 constexpr int score_keys_for(int registers, int queries) {
   return std::clamp((registers - queries) / (queries + 1), 1, 8);
 }
-constexpr int value_queries_for(int registers, int vectors) { return std::clamp((registers - 1 - vectors) / vectors, 1, 8); }
+constexpr int value_queries_for(int registers, int vectors) {
+  return std::clamp((registers - 1 - vectors) / vectors, 1, 8);
+}
 
 // ---- pass 1: scores ------------------------------------------------------------------
 
@@ -278,8 +280,7 @@ template <int W, const AttentionTiles& Tiles>
   const int largest = (queries + blocks - 1) / blocks;
   score_blocks<W, Tiles.registers, kMaxQueries>(c, queries, blocks, largest, positions);
 
-  for (int j = 0; j < queries; ++j)
-    scratch.totals[j] = softmax_numerators<W>(c.scores + j * stride, c.visible(j));
+  for (int j = 0; j < queries; ++j) scratch.totals[j] = softmax_numerators<W>(c.scores + j * stride, c.visible(j));
 
   // head_dim vectors per value tile: the most that divides head_dim / W.
   const int vectors = p.head_dim / W;
@@ -346,11 +347,24 @@ void run_attention(AttentionProblem& p, long work) {
 
 }  // namespace
 
-void attention_forward(float* out, const float* q, const float* keys, const float* values, int rows,
-                       int first_position, int heads, int kv_heads, int head_dim, float* scores) {
+void attention_forward(float* out, const float* q, const float* keys, const float* values, int rows, int first_position,
+                       int heads, int kv_heads, int head_dim, float* scores) {
   if (rows <= 0) return;
-  AttentionProblem p{out, q, keys, values, rows, first_position, heads, kv_heads, head_dim, heads / kv_heads, 0,
-                     long(kv_heads) * head_dim, 1.0f / std::sqrt(static_cast<float>(head_dim)), 0, 0};
+  AttentionProblem p{out,
+                     q,
+                     keys,
+                     values,
+                     rows,
+                     first_position,
+                     heads,
+                     kv_heads,
+                     head_dim,
+                     heads / kv_heads,
+                     0,
+                     long(kv_heads) * head_dim,
+                     1.0f / std::sqrt(static_cast<float>(head_dim)),
+                     0,
+                     0};
   // Multiply-adds: two per (query, visible position, head_dim element).
   run_attention(p, 2L * heads * head_dim * (long(rows) * first_position + long(rows) * (rows + 1) / 2));
 }
@@ -359,8 +373,21 @@ void bidirectional_attention_forward(float* out, const float* q, const float* ke
                                      int kv_rows, int heads, int head_dim, float* scores) {
   if (rows <= 0) return;
   DSPARK_CHECK(kv_rows > 0, "unmasked attention needs at least one key");
-  AttentionProblem p{out, q, keys, values, rows, 0, heads, heads, head_dim, 1, kv_rows,
-                     long(heads) * head_dim, 1.0f / std::sqrt(static_cast<float>(head_dim)), 0, 0};
+  AttentionProblem p{out,
+                     q,
+                     keys,
+                     values,
+                     rows,
+                     0,
+                     heads,
+                     heads,
+                     head_dim,
+                     1,
+                     kv_rows,
+                     long(heads) * head_dim,
+                     1.0f / std::sqrt(static_cast<float>(head_dim)),
+                     0,
+                     0};
   run_attention(p, 2L * heads * head_dim * rows * kv_rows);
 }
 
@@ -368,8 +395,8 @@ void bidirectional_attention_backward(float* dq, float* dkeys, float* dvalues, c
                                       const float* keys, const float* values, int rows, int kv_rows, int heads,
                                       int head_dim, float* scratch) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  const int stride = heads * head_dim;  // one head's rows are `stride` floats apart
-  float* probs = scratch;                          // [rows, kv_rows] P = softmax(scale Q K^T)
+  const int stride = heads * head_dim;              // one head's rows are `stride` floats apart
+  float* probs = scratch;                           // [rows, kv_rows] P = softmax(scale Q K^T)
   float* dscores = scratch + long(rows) * kv_rows;  // [rows, kv_rows] dP, then dS
   for (int head = 0; head < heads; ++head) {
     const long offset = long(head) * head_dim;
@@ -395,10 +422,10 @@ void bidirectional_attention_backward(float* dq, float* dkeys, float* dvalues, c
     // dQ += dS K;  dK += dS^T Q;  dV += P^T dO.
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, head_dim, kv_rows, 1.0f, dscores, kv_rows,
                 keys + offset, stride, 1.0f, dq + offset, stride);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, kv_rows, head_dim, rows, 1.0f, dscores, kv_rows,
-                q + offset, stride, 1.0f, dkeys + offset, stride);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, kv_rows, head_dim, rows, 1.0f, probs, kv_rows,
-                dout + offset, stride, 1.0f, dvalues + offset, stride);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, kv_rows, head_dim, rows, 1.0f, dscores, kv_rows, q + offset,
+                stride, 1.0f, dkeys + offset, stride);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, kv_rows, head_dim, rows, 1.0f, probs, kv_rows, dout + offset,
+                stride, 1.0f, dvalues + offset, stride);
   }
 }
 

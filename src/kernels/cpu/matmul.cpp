@@ -393,9 +393,9 @@ void matmul_forward_small_rows(float* out, const float* x, const float* weight, 
   problem.chunk_features = chunk_size(long(rows) * in_features * out_features, out_features, tile_features);
   const int chunks = (out_features + problem.chunk_features - 1) / problem.chunk_features;
   parallel_run(isa == MatmulIsa::Avx512 ? dot_chunk_avx512
-                             : isa == MatmulIsa::Avx2 ? dot_chunk_avx2
-                                                      : dot_chunk_baseline,
-                             &problem, chunks);
+               : isa == MatmulIsa::Avx2 ? dot_chunk_avx2
+                                        : dot_chunk_baseline,
+               &problem, chunks);
 }
 
 void matmul_in_out_forward_small_rows(float* out, const float* x, const float* weight, int rows, int in_features,
@@ -409,9 +409,9 @@ void matmul_in_out_forward_small_rows(float* out, const float* x, const float* w
   problem.chunk_columns = chunk_size(long(rows) * in_features * out_features, out_features, tile_columns);
   const int chunks = (out_features + problem.chunk_columns - 1) / problem.chunk_columns;
   parallel_run(isa == MatmulIsa::Avx512 ? axpy_chunk_avx512
-                             : isa == MatmulIsa::Avx2 ? axpy_chunk_avx2
-                                                      : axpy_chunk_baseline,
-                             &problem, chunks);
+               : isa == MatmulIsa::Avx2 ? axpy_chunk_avx2
+                                        : axpy_chunk_baseline,
+               &problem, chunks);
 }
 
 void matmul_forward_blas(float* out, const float* x, const float* weight, const float* bias, int rows, int in_features,

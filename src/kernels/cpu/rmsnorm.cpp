@@ -39,17 +39,16 @@ template <int W>
     for (; i < dim; ++i) sum_of_squares += static_cast<double>(in[i]) * in[i];
     const float scale = static_cast<float>(1.0 / std::sqrt(sum_of_squares / dim + eps));
     int j = 0;
-    for (; j + W <= dim; j += W)
-      simd::store(result + j, simd::load<V>(in + j) * scale * simd::load<V>(weight + j));
+    for (; j + W <= dim; j += W) simd::store(result + j, simd::load<V>(in + j) * scale * simd::load<V>(weight + j));
     for (; j < dim; ++j) result[j] = in[j] * scale * weight[j];
   }
 }
-__attribute__((target("arch=x86-64-v4"))) void rmsnorm_avx512(float* out, const float* x, const float* weight,
-                                                               int rows, int dim, float eps) {
+__attribute__((target("arch=x86-64-v4"))) void rmsnorm_avx512(float* out, const float* x, const float* weight, int rows,
+                                                              int dim, float eps) {
   rmsnorm_rows<16>(out, x, weight, rows, dim, eps);
 }
 __attribute__((target("arch=x86-64-v3"))) void rmsnorm_avx2(float* out, const float* x, const float* weight, int rows,
-                                                             int dim, float eps) {
+                                                            int dim, float eps) {
   rmsnorm_rows<8>(out, x, weight, rows, dim, eps);
 }
 void rmsnorm_baseline(float* out, const float* x, const float* weight, int rows, int dim, float eps) {

@@ -33,8 +33,7 @@ void rope_apply(float* x, const float* cosines, const float* sines, int rows, in
   }
 }
 
-void rope_forward(float* x, const int* positions, int rows, int heads, int head_dim,
-                  const double* inverse_frequency) {
+void rope_forward(float* x, const int* positions, int rows, int heads, int head_dim, const double* inverse_frequency) {
   const long table = static_cast<long>(rows) * (head_dim / 2);
   std::vector<float> cosines(table), sines(table);
   rope_angles(cosines.data(), sines.data(), positions, rows, head_dim, inverse_frequency);

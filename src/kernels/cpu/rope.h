@@ -7,8 +7,7 @@
 
 namespace dspark::cpu {
 
-void rope_forward(float* x, const int* positions, int rows, int heads, int head_dim,
-                  const double* inverse_frequency);
+void rope_forward(float* x, const int* positions, int rows, int heads, int head_dim, const double* inverse_frequency);
 
 // rope_forward in two steps, so a forward that rotates q and k in every layer
 // computes the angles once: cosines, sines [rows, head_dim/2] (angles in

@@ -57,8 +57,8 @@ int32_t argmax(const float* logits, int vocab) {
                                   : argmax_baseline(logits, vocab);
 }
 
-void processed_distribution(float* probs, const float* logits, int vocab,
-                            const SamplingParams& params, std::vector<int32_t>& order) {
+void processed_distribution(float* probs, const float* logits, int vocab, const SamplingParams& params,
+                            std::vector<int32_t>& order) {
   if (params.greedy()) {
     std::fill(probs, probs + vocab, 0.0f);
     probs[argmax(logits, vocab)] = 1.0f;
@@ -78,9 +78,7 @@ void processed_distribution(float* probs, const float* logits, int vocab,
   order.resize(vocab);
   std::iota(order.begin(), order.end(), 0);
   // Descending probability; ties broken by index so the result is deterministic.
-  auto descending = [&](int32_t a, int32_t b) {
-    return probs[a] > probs[b] || (probs[a] == probs[b] && a < b);
-  };
+  auto descending = [&](int32_t a, int32_t b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); };
   int kept = vocab;
   if (use_top_k) {
     std::partial_sort(order.begin(), order.begin() + params.top_k, order.end(), descending);
@@ -120,8 +118,8 @@ int32_t sample_from_distribution(const float* probs, int vocab, double uniform) 
   return last_nonzero;  // rounding left the total a hair under 1
 }
 
-int32_t sample_token(const float* logits, int vocab, const SamplingParams& params, Rng& rng,
-                     std::vector<float>& probs, std::vector<int32_t>& order) {
+int32_t sample_token(const float* logits, int vocab, const SamplingParams& params, Rng& rng, std::vector<float>& probs,
+                     std::vector<int32_t>& order) {
   if (params.greedy()) return argmax(logits, vocab);
   probs.resize(vocab);
   processed_distribution(probs.data(), logits, vocab, params, order);
