@@ -5,6 +5,8 @@
 // reported and skipped.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <fstream>
 
 #include "cli_runner.h"
@@ -90,9 +92,19 @@ void expect_data_matches_fresh_generation(const std::vector<RegenPrompt>& prompt
     // The rows: a fresh tapped forward of the stored ids, to bf16 precision.
     const std::vector<float> fresh = fresh_rows(ids, record.length, options.tap_layers);
     ASSERT_EQ(fresh.size(), size_t(record.length) * data.tap_width());
+    // bf16 rounding (2^-9 relative) plus f32 rounding that differs between
+    // the batched and the single-sequence forward (other kernels, other
+    // summation orders): relative to the row's largest element, since an
+    // element near zero is a cancellation of terms of that size.
     const uint16_t* stored = data.rows(s);
-    for (size_t i = 0; i < fresh.size(); ++i)
-      ASSERT_LE(std::fabs(bf16_to_f32(stored[i]) - fresh[i]), std::fabs(fresh[i]) * 0x1p-8f) << "element " << i;
+    const size_t width = data.tap_width();
+    for (size_t start = 0; start < fresh.size(); start += width) {
+      float row_scale = 0.0f;
+      for (size_t i = start; i < start + width; ++i) row_scale = std::max(row_scale, std::fabs(fresh[i]));
+      for (size_t i = start; i < start + width; ++i)
+        ASSERT_LE(std::fabs(bf16_to_f32(stored[i]) - fresh[i]), std::fabs(fresh[i]) * 0x1p-8f + row_scale * 1e-5f)
+            << "element " << i;
+    }
   }
 }
 

@@ -119,6 +119,9 @@ void transformer_forward(const Transformer& model, std::span<const ForwardSequen
   float* gate = grow(work.gate, size_t(T) * F);
   float* up = grow(work.up, size_t(T) * F);
   float* scores = grow(work.scores, size_t(longest));
+  float* cosines = grow(work.cosines, size_t(T) * (hd / 2));
+  float* sines = grow(work.sines, size_t(T) * (hd / 2));
+  cpu::rope_angles(cosines, sines, positions, T, hd, model.rope_inverse_frequency.data());
   output.taps.assign(m ? size_t(T) * m * H : 0, 0.0f);
   auto record_taps = [&](int layer_index, const float* hidden) {
     for (int slot = 0; slot < m; ++slot)
@@ -137,8 +140,8 @@ void transformer_forward(const Transformer& model, std::span<const ForwardSequen
       cpu::rmsnorm_forward(q, q, w.q_norm.data, T * nh, hd, c.rms_norm_eps);
       cpu::rmsnorm_forward(k, k, w.k_norm.data, T * nkv, hd, c.rms_norm_eps);
     }
-    cpu::rope_forward(q, positions, T, nh, hd, model.rope_inverse_frequency.data());
-    cpu::rope_forward(k, positions, T, nkv, hd, model.rope_inverse_frequency.data());
+    cpu::rope_apply(q, cosines, sines, T, nh, hd);
+    cpu::rope_apply(k, cosines, sines, T, nkv, hd);
     for (int row = 0; const ForwardSequence& sequence : sequences) {
       const int count = static_cast<int>(sequence.tokens.size());
       const int start = sequence.cache->length();

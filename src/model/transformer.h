@@ -64,6 +64,7 @@ struct ForwardOutput {
 // not allocate per step.
 struct ForwardWorkspace {
   std::vector<float> x, normed, q, k, v, attention, projected, gate, up, scores;
+  std::vector<float> cosines, sines;  // RoPE of each row's position, [T, head_dim/2], shared by all layers
   std::vector<int32_t> tokens;
   std::vector<int> positions;
 };

@@ -1,6 +1,10 @@
 #include "kernels/cpu/activation.h"
 
 #include <cmath>
+#include <cstring>
+
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/simd.h"
 
 namespace dspark::cpu {
 namespace {
@@ -8,10 +12,41 @@ namespace {
 constexpr float kSqrtTwoOverPi = 0.7978845608028654f;
 constexpr float kGeluCubic = 0.044715f;
 
+// SwiGLU with simd::exp, W elements at a time; the tail is padded to a whole
+// vector so every element takes the same steps (a token's MLP activations do
+// not depend on how many rows share the forward). Instruction sets as in
+// matmul.cpp.
+template <int W>
+[[gnu::always_inline]] inline void swiglu(float* out, const float* gate, const float* up, long count) {
+  using V = typename simd::Floats<W>::Vector;
+  for (long i = 0; i < count; i += W) {
+    const int lanes = count - i < W ? int(count - i) : W;
+    V g = V{}, u = V{};
+    std::memcpy(&g, gate + i, lanes * sizeof(float));
+    std::memcpy(&u, up + i, lanes * sizeof(float));
+    const V result = g / (1.0f + simd::exp<W>(-g)) * u;
+    std::memcpy(out + i, &result, lanes * sizeof(float));
+  }
+}
+__attribute__((target("arch=x86-64-v4"))) void swiglu_avx512(float* out, const float* gate, const float* up,
+                                                             long count) {
+  swiglu<16>(out, gate, up, count);
+}
+__attribute__((target("arch=x86-64-v3"))) void swiglu_avx2(float* out, const float* gate, const float* up, long count) {
+  swiglu<8>(out, gate, up, count);
+}
+void swiglu_baseline(float* out, const float* gate, const float* up, long count) { swiglu<4>(out, gate, up, count); }
+
 }  // namespace
 
 void swiglu_forward(float* out, const float* gate, const float* up, long count) {
-  for (long i = 0; i < count; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+  const MatmulIsa isa = matmul_isa();
+  if (isa == MatmulIsa::Avx512)
+    swiglu_avx512(out, gate, up, count);
+  else if (isa == MatmulIsa::Avx2)
+    swiglu_avx2(out, gate, up, count);
+  else
+    swiglu_baseline(out, gate, up, count);
 }
 
 void gelu_tanh_gate_forward(float* out, const float* gate, const float* up, long count) {
@@ -28,7 +63,8 @@ void gelu_tanh_gate_backward(float* dgate, float* dup, const float* dout, const 
     const float t = std::tanh(kSqrtTwoOverPi * (x + kGeluCubic * x * x * x));
     const float gelu = 0.5f * x * (1.0f + t);
     // d gelu / dx = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
-    const float slope = 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrtTwoOverPi * (1.0f + 3.0f * kGeluCubic * x * x);
+    const float slope =
+        0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrtTwoOverPi * (1.0f + 3.0f * kGeluCubic * x * x);
     dgate[i] += dout[i] * up[i] * slope;
     dup[i] += dout[i] * gelu;
   }

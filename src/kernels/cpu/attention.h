@@ -6,7 +6,11 @@
 //                                       already holding the new tokens)
 //   out   [rows, heads, head_dim]
 // Query r attends to cache positions 0 .. first_position + r; scale
-// head_dim^-0.5. `scores` is scratch of at least first_position + rows floats.
+// head_dim^-0.5. Vectorised and spread over the kernels' worker pool; a
+// row's output bits do not depend on `rows` (the same token gives the same
+// output in a decode step and inside a verify block) or on the thread count.
+// `scores` is unused (the kernel keeps per-thread scratch); callers still pass
+// scratch of at least first_position + rows floats.
 #pragma once
 
 namespace dspark::cpu {
@@ -17,7 +21,9 @@ void attention_forward(float* out, const float* q, const float* keys, const floa
 
 // Unmasked multi-head attention (the drafter's block attends to all of its
 // context and to itself): q [rows, heads, hd]; keys, values [kv_rows, heads, hd];
-// out [rows, heads, hd]; scale hd^-0.5. `scores` is scratch of kv_rows floats.
+// out [rows, heads, hd]; scale hd^-0.5. The same kernel as attention_forward
+// (a row's bits do not depend on `rows` or the thread count). `scores` is
+// unused; callers still pass scratch of kv_rows floats.
 void bidirectional_attention_forward(float* out, const float* q, const float* keys, const float* values, int rows,
                                      int kv_rows, int heads, int head_dim, float* scores);
 

@@ -25,233 +25,30 @@
 // FMA contraction comes from GCC's default -ffp-contract=fast (GNU dialect).
 //
 // Threads: a product is cut into chunks of output features that the calling
-// thread and the pool's workers claim one at a time from a shared counter.
-// Claiming (rather than a fixed split) matters on a shared 2-core machine: a
-// worker the scheduler has not run yet simply claims nothing, and the caller
-// never waits for work nobody started. Workers spin briefly after each product
-// (a decode step issues ~60 of 20-500 us each, a few us apart) and then sleep
-// on a futex. The pool has openblas_get_num_threads() threads, caller included,
-// so together with OpenBLAS (used by the same process for prefill, training
-// and the drafter's attention) it never runs more compute threads than
-// OpenBLAS was given. Own
-// threads rather than OpenMP: no second runtime whose spinning pool competes
-// with OpenBLAS's, and no libgomp to link into every binary.
+// thread and the workers of the shared pool (parallel.h) claim one at a time.
 #include "kernels/cpu/matmul.h"
 
 #include <cblas.h>
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
-#include <cstdint>
-#include <cstring>
-#include <mutex>
-#include <thread>
-#include <utility>
-#include <vector>
 
 #include "core/error.h"
-
-// The vector types below are wider than the baseline ABI's registers; they
-// never cross a call (everything is inlined into the per-target entry points),
-// so GCC's note that passing them would change the ABI does not apply.
-#pragma GCC diagnostic ignored "-Wpsabi"
+#include "kernels/cpu/parallel.h"
+#include "kernels/cpu/simd.h"
 
 namespace dspark::cpu {
 namespace {
-
-// ---- the pool ------------------------------------------------------------------
-
-// Runs task(context, chunk) for every chunk in [0, chunks) on the calling
-// thread and the workers; returns when all chunks are done.
-class WorkerPool {
- public:
-  using Task = void (*)(const void* context, int chunk);
-
-  // Never destroyed: the workers may still be polling while the process exits,
-  // and a forked child (which has no workers) must not try to join them.
-  static WorkerPool& instance() {
-    static WorkerPool* const pool = new WorkerPool(std::max(1, openblas_get_num_threads()));
-    return *pool;
-  }
-
-  int threads() const { return workers_ + 1; }
-
-  void run(Task task, const void* context, int chunks) {
-    // One product at a time; a second thread calling meanwhile runs alone.
-    std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
-    if (!lock.owns_lock() || workers_ == 0 || chunks <= 1 || chunks > kMaxChunks) {
-      for (int chunk = 0; chunk < chunks; ++chunk) task(context, chunk);
-      return;
-    }
-    task_ = task;
-    context_ = context;
-    unfinished_.store(chunks, std::memory_order_relaxed);
-    generation_ = (generation_ + 1) & 0xffffffffu;
-    state_.store(generation_ << 32 | uint64_t(chunks) << 16, std::memory_order_seq_cst);
-    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
-      wake_.fetch_add(1, std::memory_order_seq_cst);
-      wake_.notify_all();
-    }
-    work(generation_);
-    // Chunks a worker claimed may still be running (or, on a busy machine,
-    // waiting for a core: then give it ours now and then).
-    for (int spin = 1; unfinished_.load(std::memory_order_acquire) != 0; ++spin)
-      if (spin % 1024 == 0)
-        std::this_thread::yield();
-      else
-        pause();
-  }
-
- private:
-  static constexpr int kMaxChunks = 0xffff;
-  // How long an idle worker polls for the next product before sleeping: longer
-  // than the gaps between the products of one decode step.
-  static constexpr std::chrono::microseconds kSpin{300};
-
-  explicit WorkerPool(int threads) {
-    for (int i = 1; i < threads; ++i) std::thread([this] { worker_loop(); }).detach();
-    workers_ = threads - 1;
-  }
-
-  static void pause() { __builtin_ia32_pause(); }
-
-  // Claims and runs chunks of product `generation` until none is left. The
-  // state word holds generation << 32 | chunks << 16 | next chunk, so a claim
-  // (one compare-and-swap) can never take a chunk of a later product.
-  void work(uint64_t generation) {
-    uint64_t state = state_.load(std::memory_order_acquire);
-    for (;;) {
-      if (state >> 32 != generation) return;
-      const uint64_t chunks = state >> 16 & 0xffff, next = state & 0xffff;
-      if (next >= chunks) return;
-      if (!state_.compare_exchange_weak(state, state + 1, std::memory_order_acq_rel, std::memory_order_acquire))
-        continue;
-      // task_/context_ stay valid: the caller waits for this chunk to finish.
-      task_(context_, static_cast<int>(next));
-      unfinished_.fetch_sub(1, std::memory_order_release);
-      state = state_.load(std::memory_order_acquire);
-    }
-  }
-
-  [[noreturn]] void worker_loop() {
-    uint64_t seen = 0;
-    for (;;) {
-      uint64_t generation = state_.load(std::memory_order_acquire) >> 32;
-      if (generation == seen) {
-        const auto deadline = std::chrono::steady_clock::now() + kSpin;
-        for (int spin = 1; generation == seen; ++spin) {
-          pause();
-          generation = state_.load(std::memory_order_acquire) >> 32;
-          if (spin % 256 == 0) {
-            if (std::chrono::steady_clock::now() > deadline) break;
-            // On an oversubscribed machine let whatever shares this core run
-            // (it may be the thread that is about to hand out the next product).
-            if (spin % 1024 == 0) std::this_thread::yield();
-          }
-        }
-      }
-      while (generation == seen) {  // sleep until the caller bumps wake_
-        const uint32_t ticket = wake_.load(std::memory_order_seq_cst);
-        sleepers_.fetch_add(1, std::memory_order_seq_cst);
-        generation = state_.load(std::memory_order_seq_cst) >> 32;
-        if (generation == seen) wake_.wait(ticket, std::memory_order_seq_cst);
-        sleepers_.fetch_sub(1, std::memory_order_seq_cst);
-        generation = state_.load(std::memory_order_acquire) >> 32;
-      }
-      seen = generation;
-      work(generation);
-    }
-  }
-
-  int workers_ = 0;
-  std::mutex busy_;
-  uint64_t generation_ = 0;  // of the last product run (caller side)
-  Task task_ = nullptr;
-  const void* context_ = nullptr;
-  std::atomic<uint64_t> state_{0};
-  std::atomic<int> unfinished_{0};  // chunks not yet finished
-  std::atomic<uint32_t> wake_{0};   // futex word the sleepers wait on
-  std::atomic<int> sleepers_{0};
-};
 
 // Products are split into chunks of at least this many multiply-adds (a few
 // microseconds); smaller ones run on the calling thread alone, where handing
 // work to a worker would cost more than it saves.
 constexpr long kMinChunkWork = 1L << 16;
 
-// ---- vector helpers ----------------------------------------------------------
-
-template <int W>
-struct Floats {
-  typedef float Vector __attribute__((vector_size(W * sizeof(float))));
-};
-
-template <class V>
-[[gnu::always_inline]] inline V load(const float* source) {
-  V value;
-  std::memcpy(&value, source, sizeof value);
-  return value;
-}
-
-template <class V>
-[[gnu::always_inline]] inline void store(float* destination, V value) {
-  std::memcpy(destination, &value, sizeof value);
-}
-
-// Lane sums of many accumulators at once. combine(u, v) with G lanes per
-// accumulator in u and v (each holding W / G accumulators) adds the two halves
-// of every accumulator's lanes and packs the results, u's then v's, into one
-// vector with G / 2 lanes per accumulator: two shuffles and one add for what
-// takes a shuffle and an add per accumulator one at a time. A tree of them
-// turns W accumulators into one vector of their W sums, in order.
-template <int W, int G, int K, int Upper>
-constexpr int combine_lane() {
-  const int j = K < W / 2 ? K : K - W / 2, source = K < W / 2 ? 0 : W;
-  return source + j / (G / 2) * G + Upper * (G / 2) + j % (G / 2);
-}
-
-template <int W, int G, class V, size_t... K>
-[[gnu::always_inline]] inline V combine(V u, V v, std::index_sequence<K...>) {
-  return __builtin_shufflevector(u, v, combine_lane<W, G, int(K), 0>()...) +
-         __builtin_shufflevector(u, v, combine_lane<W, G, int(K), 1>()...);
-}
-
-// N (a power of two, <= W) accumulators from acc[First]: a vector holding N
-// groups of W / N lanes, group k summing to accumulator k.
-template <int W, int N, int First, class V, int Count>
-[[gnu::always_inline]] inline V reduce_tree(const V (&acc)[Count]) {
-  if constexpr (N == 1) {
-    return acc[First];
-  } else {
-    return combine<W, 2 * W / N>(reduce_tree<W, N / 2, First>(acc), reduce_tree<W, N / 2, First + N / 2>(acc),
-                                 std::make_index_sequence<W>());
-  }
-}
-
-// sums[k] = the sum of acc[k]'s lanes, for acc[First .. Count).
-template <int W, int First, class V, int Count>
-[[gnu::always_inline]] inline void sum_lanes(const V (&acc)[Count], float* sums) {
-  if constexpr (First < Count) {
-    constexpr int kLeft = Count - First;
-    constexpr int kGroup = kLeft >= W       ? W
-                           : kLeft >= W / 2 ? W / 2
-                           : kLeft >= W / 4 ? W / 4
-                           : kLeft >= 8     ? 8
-                           : kLeft >= 4     ? 4
-                           : kLeft >= 2     ? 2
-                                            : 1;
-    V tree = reduce_tree<W, kGroup, First>(acc);
-    // Fewer than W accumulators: keep halving each group within the vector.
-    if constexpr (kGroup <= W / 2) tree = combine<W, W / kGroup>(tree, tree, std::make_index_sequence<W>());
-    if constexpr (kGroup <= W / 4) tree = combine<W, W / kGroup / 2>(tree, tree, std::make_index_sequence<W>());
-    if constexpr (kGroup <= W / 8) tree = combine<W, W / kGroup / 4>(tree, tree, std::make_index_sequence<W>());
-    if constexpr (kGroup <= W / 16) tree = combine<W, W / kGroup / 8>(tree, tree, std::make_index_sequence<W>());
-#pragma GCC unroll 16
-    for (int k = 0; k < kGroup; ++k) sums[First + k] = tree[k];
-    sum_lanes<W, First + kGroup>(acc, sums);
-  }
-}
+using simd::Floats;
+using simd::load;
+using simd::store;
+using simd::sum_lanes;
 
 // ---- tile shapes per instruction set ---------------------------------------------
 
@@ -555,7 +352,7 @@ const TileShapes& tile_shapes(MatmulIsa isa) {
 // thread delays the product by at most one chunk, and none smaller than
 // kMinChunkWork. One chunk (the caller alone) when the product is small.
 int chunk_size(long work, int out_features, int granule) {
-  const int threads = WorkerPool::instance().threads();
+  const int threads = parallel_threads();
   const long most_chunks = std::min<long>({threads * 4L, work / kMinChunkWork, (out_features + granule - 1) / granule});
   if (threads == 1 || most_chunks < 2) return out_features;
   const int granules = (out_features + granule - 1) / granule;
@@ -564,7 +361,7 @@ int chunk_size(long work, int out_features, int granule) {
 
 }  // namespace
 
-int matmul_threads() { return WorkerPool::instance().threads(); }
+int matmul_threads() { return parallel_threads(); }
 
 MatmulIsa matmul_isa() { return chosen_isa().load(std::memory_order_relaxed); }
 
@@ -595,10 +392,10 @@ void matmul_forward_small_rows(float* out, const float* x, const float* weight, 
   const int tile_features = dot_features_for(tiles.dot_registers, largest_row_block(rows, tiles.dot_max_rows));
   problem.chunk_features = chunk_size(long(rows) * in_features * out_features, out_features, tile_features);
   const int chunks = (out_features + problem.chunk_features - 1) / problem.chunk_features;
-  WorkerPool::instance().run(isa == MatmulIsa::Avx512 ? dot_chunk_avx512
-                             : isa == MatmulIsa::Avx2 ? dot_chunk_avx2
-                                                      : dot_chunk_baseline,
-                             &problem, chunks);
+  parallel_run(isa == MatmulIsa::Avx512 ? dot_chunk_avx512
+               : isa == MatmulIsa::Avx2 ? dot_chunk_avx2
+                                        : dot_chunk_baseline,
+               &problem, chunks);
 }
 
 void matmul_in_out_forward_small_rows(float* out, const float* x, const float* weight, int rows, int in_features,
@@ -611,10 +408,10 @@ void matmul_in_out_forward_small_rows(float* out, const float* x, const float* w
       tiles.width * axpy_vectors_for(tiles.axpy_registers, largest_row_block(rows, tiles.axpy_max_rows));
   problem.chunk_columns = chunk_size(long(rows) * in_features * out_features, out_features, tile_columns);
   const int chunks = (out_features + problem.chunk_columns - 1) / problem.chunk_columns;
-  WorkerPool::instance().run(isa == MatmulIsa::Avx512 ? axpy_chunk_avx512
-                             : isa == MatmulIsa::Avx2 ? axpy_chunk_avx2
-                                                      : axpy_chunk_baseline,
-                             &problem, chunks);
+  parallel_run(isa == MatmulIsa::Avx512 ? axpy_chunk_avx512
+               : isa == MatmulIsa::Avx2 ? axpy_chunk_avx2
+                                        : axpy_chunk_baseline,
+               &problem, chunks);
 }
 
 void matmul_forward_blas(float* out, const float* x, const float* weight, const float* bias, int rows, int in_features,

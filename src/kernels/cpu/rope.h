@@ -7,7 +7,13 @@
 
 namespace dspark::cpu {
 
-void rope_forward(float* x, const int* positions, int rows, int heads, int head_dim,
-                  const double* inverse_frequency);
+void rope_forward(float* x, const int* positions, int rows, int heads, int head_dim, const double* inverse_frequency);
+
+// rope_forward in two steps, so a forward that rotates q and k in every layer
+// computes the angles once: cosines, sines [rows, head_dim/2] (angles in
+// double, rounded to f32), then the rotation. Same results as rope_forward.
+void rope_angles(float* cosines, float* sines, const int* positions, int rows, int head_dim,
+                 const double* inverse_frequency);
+void rope_apply(float* x, const float* cosines, const float* sines, int rows, int heads, int head_dim);
 
 }  // namespace dspark::cpu

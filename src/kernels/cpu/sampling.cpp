@@ -4,17 +4,61 @@
 #include <cmath>
 #include <numeric>
 
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/simd.h"
+
 namespace dspark::cpu {
+namespace {
+
+// The scalar loop's answer (the first index whose value no later one
+// exceeds; NaNs never win unless logits[0] is one) in two vector passes: the
+// largest value, then its first index. Instruction sets as in matmul.cpp.
+template <int W>
+[[gnu::always_inline]] inline int32_t argmax(const float* logits, int vocab) {
+  using V = typename simd::Floats<W>::Vector;
+  if (vocab < W || std::isnan(logits[0])) {
+    int32_t best = 0;
+    for (int32_t i = 1; i < vocab; ++i)
+      if (logits[i] > logits[best]) best = i;
+    return best;
+  }
+  V maximum = V{} + logits[0];  // x > maximum is false for NaN, so NaNs never enter
+  int i = 0;
+  for (; i + W <= vocab; i += W) {
+    const V x = simd::load<V>(logits + i);
+    maximum = x > maximum ? x : maximum;
+  }
+  float largest = maximum[0];
+  for (int lane = 1; lane < W; ++lane) largest = std::max(largest, float(maximum[lane]));
+  for (; i < vocab; ++i) largest = logits[i] > largest ? logits[i] : largest;
+  for (i = 0; i + W <= vocab; i += W) {
+    const auto equal = simd::load<V>(logits + i) == largest;
+    for (int lane = 0; lane < W; ++lane)
+      if (equal[lane]) return i + lane;
+  }
+  for (; i < vocab; ++i)
+    if (logits[i] == largest) return i;
+  return 0;  // unreachable: largest is one of the values
+}
+__attribute__((target("arch=x86-64-v4"))) int32_t argmax_avx512(const float* logits, int vocab) {
+  return argmax<16>(logits, vocab);
+}
+__attribute__((target("arch=x86-64-v3"))) int32_t argmax_avx2(const float* logits, int vocab) {
+  return argmax<8>(logits, vocab);
+}
+int32_t argmax_baseline(const float* logits, int vocab) { return argmax<4>(logits, vocab); }
+
+}  // namespace
 
 int32_t argmax(const float* logits, int vocab) {
-  int32_t best = 0;
-  for (int32_t i = 1; i < vocab; ++i)
-    if (logits[i] > logits[best]) best = i;
-  return best;
+  const MatmulIsa isa = matmul_isa();
+  return isa == MatmulIsa::Avx512 ? argmax_avx512(logits, vocab)
+         : isa == MatmulIsa::Avx2 ? argmax_avx2(logits, vocab)
+                                  : argmax_baseline(logits, vocab);
 }
 
-void processed_distribution(float* probs, const float* logits, int vocab,
-                            const SamplingParams& params, std::vector<int32_t>& order) {
+void processed_distribution(float* probs, const float* logits, int vocab, const SamplingParams& params,
+                            std::vector<int32_t>& order) {
   if (params.greedy()) {
     std::fill(probs, probs + vocab, 0.0f);
     probs[argmax(logits, vocab)] = 1.0f;
@@ -34,9 +78,7 @@ void processed_distribution(float* probs, const float* logits, int vocab,
   order.resize(vocab);
   std::iota(order.begin(), order.end(), 0);
   // Descending probability; ties broken by index so the result is deterministic.
-  auto descending = [&](int32_t a, int32_t b) {
-    return probs[a] > probs[b] || (probs[a] == probs[b] && a < b);
-  };
+  auto descending = [&](int32_t a, int32_t b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); };
   int kept = vocab;
   if (use_top_k) {
     std::partial_sort(order.begin(), order.begin() + params.top_k, order.end(), descending);
@@ -76,8 +118,8 @@ int32_t sample_from_distribution(const float* probs, int vocab, double uniform) 
   return last_nonzero;  // rounding left the total a hair under 1
 }
 
-int32_t sample_token(const float* logits, int vocab, const SamplingParams& params, Rng& rng,
-                     std::vector<float>& probs, std::vector<int32_t>& order) {
+int32_t sample_token(const float* logits, int vocab, const SamplingParams& params, Rng& rng, std::vector<float>& probs,
+                     std::vector<int32_t>& order) {
   if (params.greedy()) return argmax(logits, vocab);
   probs.resize(vocab);
   processed_distribution(probs.data(), logits, vocab, params, order);

@@ -1,0 +1,123 @@
+// The vectorised elementwise CPU kernels against scalar references, under
+// every instruction set the CPU supports: argmax (exactly the scalar loop's
+// answer, ties and NaNs included, for lengths that are and are not whole
+// vectors), SwiGLU (double-precision silu(g) u) and RMSNorm (double
+// precision, widths that are and are not whole vectors of the sum's
+// four accumulators).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "core/random.h"
+#include "gradient_check.h"
+#include "kernels/cpu/activation.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/rmsnorm.h"
+#include "kernels/cpu/sampling.h"
+
+namespace dspark {
+namespace {
+
+using cpu::MatmulIsa;
+using testing::random_values;
+
+// The definition: the first index no later value exceeds.
+int32_t scalar_argmax(const std::vector<float>& logits) {
+  int32_t best = 0;
+  for (int32_t i = 1; i < int32_t(logits.size()); ++i)
+    if (logits[i] > logits[best]) best = i;
+  return best;
+}
+
+class ElementwiseTest : public ::testing::Test {
+ protected:
+  void TearDown() override { cpu::set_matmul_isa(initial_); }
+  std::vector<MatmulIsa> supported() const {
+    std::vector<MatmulIsa> isas;
+    for (MatmulIsa isa : {MatmulIsa::Baseline, MatmulIsa::Avx2, MatmulIsa::Avx512})
+      if (cpu::matmul_isa_supported(isa)) isas.push_back(isa);
+    return isas;
+  }
+  MatmulIsa initial_ = cpu::matmul_isa();
+};
+
+TEST_F(ElementwiseTest, ArgmaxIsTheScalarLoopsAnswer) {
+  Rng rng(31);
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (MatmulIsa isa : supported()) {
+    cpu::set_matmul_isa(isa);
+    SCOPED_TRACE(cpu::matmul_isa_name(isa));
+    for (int vocab : {1, 3, 4, 15, 16, 17, 31, 33, 100, 8192, 8197}) {
+      for (int trial = 0; trial < 20; ++trial) {
+        std::vector<float> logits = random_values(rng, vocab, 4.0f);
+        // Quantised values: many exact ties, the maximum among them.
+        if (trial % 4 == 1)
+          for (float& x : logits) x = std::round(x);
+        if (trial % 4 == 2) logits[rng.next() % vocab] = nan;
+        if (trial % 4 == 3) logits[0] = nan;
+        if (trial == 4) logits.assign(vocab, -inf);
+        if (trial == 5) logits.assign(vocab, 0.0f), logits[vocab / 2] = -0.0f;
+        if (trial == 6) logits[vocab - 1] = 100.0f;  // the maximum in the tail
+        EXPECT_EQ(cpu::argmax(logits.data(), vocab), scalar_argmax(logits)) << "vocab " << vocab << " trial " << trial;
+      }
+    }
+  }
+}
+
+TEST_F(ElementwiseTest, SwigluMatchesDoubleReference) {
+  Rng rng(32);
+  for (MatmulIsa isa : supported()) {
+    cpu::set_matmul_isa(isa);
+    SCOPED_TRACE(cpu::matmul_isa_name(isa));
+    for (long count : {1L, 5L, 16L, 37L, 1408L * 3}) {
+      std::vector<float> gate = random_values(rng, count, 12.0f), up = random_values(rng, count, 2.0f);
+      gate[0] = -100.0f;  // exp(100) overflows: silu -> -0
+      if (count > 1) gate[1] = 95.0f;
+      std::vector<float> out(count, std::nanf(""));
+      cpu::swiglu_forward(out.data(), gate.data(), up.data(), count);
+      for (long i = 0; i < count; ++i) {
+        const double g = gate[i], expected = g / (1.0 + std::exp(-g)) * up[i];
+        EXPECT_NEAR(out[i], expected, 1e-6 * std::fabs(expected) + 1e-30) << "count " << count << " at " << i;
+      }
+      // In place (out aliases gate), as the transformer calls it.
+      std::vector<float> in_place = gate;
+      cpu::swiglu_forward(in_place.data(), in_place.data(), up.data(), count);
+      EXPECT_EQ(in_place, out);
+    }
+  }
+}
+
+TEST_F(ElementwiseTest, RmsnormMatchesDoubleReference) {
+  Rng rng(33);
+  const float eps = 1e-6f;
+  for (MatmulIsa isa : supported()) {
+    cpu::set_matmul_isa(isa);
+    SCOPED_TRACE(cpu::matmul_isa_name(isa));
+    for (int dim : {1, 3, 8, 31, 64, 65, 384, 389})
+      for (int rows : {1, 3}) {
+        const std::vector<float> x = random_values(rng, size_t(rows) * dim, 3.0f),
+                                 weight = random_values(rng, dim, 2.0f);
+        std::vector<float> out(x.size(), std::nanf(""));
+        cpu::rmsnorm_forward(out.data(), x.data(), weight.data(), rows, dim, eps);
+        for (int r = 0; r < rows; ++r) {
+          double squares = 0.0;
+          for (int i = 0; i < dim; ++i) squares += double(x[size_t(r) * dim + i]) * x[size_t(r) * dim + i];
+          const double scale = 1.0 / std::sqrt(squares / dim + eps);
+          for (int i = 0; i < dim; ++i) {
+            const double expected = x[size_t(r) * dim + i] * scale * weight[i];
+            EXPECT_NEAR(out[size_t(r) * dim + i], expected, 3e-7 * std::fabs(expected) + 1e-30)
+                << "dim " << dim << " row " << r << " at " << i;
+          }
+        }
+        // In place, as the transformer's q/k norms call it.
+        std::vector<float> in_place = x;
+        cpu::rmsnorm_forward(in_place.data(), in_place.data(), weight.data(), rows, dim, eps);
+        EXPECT_EQ(in_place, out);
+      }
+  }
+}
+
+}  // namespace
+}  // namespace dspark
