@@ -36,6 +36,15 @@ TEST(SpsProfile, InterpolatesStepTimeAndExtrapolatesPastTheLastPoint) {
   const SpsProfile round_trip = SpsProfile::from_json(sps.to_json(), "test");
   EXPECT_EQ(round_trip.tokens, sps.tokens);
   EXPECT_EQ(round_trip.steps_per_second, sps.steps_per_second);
+  // Plain decoding's own rates when measured, else the verify profile's.
+  EXPECT_DOUBLE_EQ(sps.plain_at(5), sps.at(5));
+  SpsProfile with_plain = sps;
+  with_plain.plain_rows = {1, 3}, with_plain.plain_steps_per_second = {200.0, 100.0};
+  EXPECT_NEAR(with_plain.plain_at(2), 1000.0 / 7.5, 1e-9);  // between 5 and 10 ms
+  EXPECT_NEAR(with_plain.plain_at(4), 1000.0 / 12.5, 1e-9);  // 2.5 ms more per row past the end
+  const SpsProfile plain_trip = SpsProfile::from_json(with_plain.to_json(), "test");
+  EXPECT_EQ(plain_trip.plain_rows, with_plain.plain_rows);
+  EXPECT_EQ(plain_trip.plain_steps_per_second, with_plain.plain_steps_per_second);
   EXPECT_NE(testing::error_of([] {
               SpsProfile::from_json(Json{{"tokens", {1, 1}}, {"steps_per_second", {1, 1}}}, "x");
             }).find("ascending"),
@@ -198,6 +207,8 @@ TEST(SpsProfile, MeasuredOnceAndCachedPerDeviceAndModel) {
       EXPECT_LE(first.steps_per_second[i], first.steps_per_second[i - 1]);  // step time never decreasing
     }
   }
+  EXPECT_EQ(first.plain_rows, (std::vector<int>{1, 2}));  // 12 tokens, 8 a sequence: 2 sequences
+  for (double rate : first.plain_steps_per_second) EXPECT_GT(rate, 0.0);
   const SpsProfile again = cached_sps_profile(target, "qwen3-key", options, cache, false, &measured);
   EXPECT_FALSE(measured);
   EXPECT_EQ(again.steps_per_second, first.steps_per_second);

@@ -254,15 +254,32 @@ void CudaDrafter::extend_context_from_device(int id, const float* device_rows, i
   if (count == 0) return;
   DSPARK_CHECK(device_rows, "extending a draft context from device rows needs them");
   ensure_device_staging(device_staged_rows_ + count);
+  for (int i = 0; i < count; ++i) {
+    c.staged_sources.push_back(device_staged_rows_ + i);
+    pending_sources_.push_back(device_rows + long(i) * width_);
+  }
+  device_staged_rows_ += count;
+}
+
+void CudaDrafter::convert_device_rows() {
+  if (pending_sources_.empty()) return;
   const cudaStream_t producer = head_.stream;
   if (device_staged_read_pending_) {  // the last pass may still be reading the rows about to be overwritten
     CUDA_CHECK(cudaStreamWaitEvent(producer, device_staged_read_, 0));
     device_staged_read_pending_ = false;
   }
-  cuda::f32_to_bf16_forward(device_staged_.data() + long(device_staged_rows_) * width_, device_rows,
-                            long(count) * width_, producer);
-  for (int i = 0; i < count; ++i) c.staged_sources.push_back(device_staged_rows_ + i);
-  device_staged_rows_ += count;
+  const int rows = static_cast<int>(pending_sources_.size());
+  if (pending_table_.size() < size_t(rows)) {
+    CUDA_CHECK(cudaStreamSynchronize(producer));  // the old table may still be read by the last conversion
+    pending_table_.resize(std::max<size_t>(rows, 2 * pending_table_.size()));
+  }
+  // From pageable memory: the call returns once the table is staged, so the
+  // host vector can be reused at once.
+  CUDA_CHECK(cudaMemcpyAsync(pending_table_.data(), pending_sources_.data(), rows * sizeof(const float*),
+                             cudaMemcpyHostToDevice, producer));
+  cuda::gather_f32_to_bf16_forward(device_staged_.data() + long(device_staged_rows_ - rows) * width_,
+                                   pending_table_.data(), rows, width_, producer);
+  pending_sources_.clear();
 }
 
 void CudaDrafter::ensure_device_staging(int rows) {
@@ -316,6 +333,7 @@ void CudaDrafter::grow_context(Context& c, int rows) {
 }
 
 void CudaDrafter::flush_contexts() {
+  convert_device_rows();
   struct Row {
     Context* context;
     int position;

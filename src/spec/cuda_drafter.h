@@ -16,7 +16,10 @@
 // Rows come from the host (extend_context: converted there, uploaded with the
 // pass) or straight from the CUDA target's device taps
 // (extend_context_from_device: converted on the device into one device staging
-// area shared by all contexts). Device rows are converted on the target's
+// area shared by all contexts). Device rows are recorded as they are
+// accepted and converted together, one launch for a round's rows
+// (convert_device_rows(), which the draft source calls once its round's
+// accepts are done, before the target's next forward), on the target's
 // stream, so the conversion runs after the forward that wrote them and before
 // any later forward overwrites them, with no event per row; the pass (on the
 // drafter's stream) waits on one event recorded there after the last
@@ -91,9 +94,14 @@ class CudaDrafter {
   void extend_context(int context, const float* tapped_rows, int count);
   // The same from device_rows [count, m*H] f32 in device memory, written by
   // work on the target's stream (head.stream: a CUDA target's
-  // TargetResult::device_taps). Queues their conversion on that stream and
-  // returns: the rows may be overwritten by anything queued there afterwards.
+  // TargetResult::device_taps). Records them; convert_device_rows() (or the
+  // next flush_contexts()) converts them on that stream, and the rows must
+  // stay as they are until then.
   void extend_context_from_device(int context, const float* device_rows, int count);
+  // Queues the conversion of every recorded device row, in one launch on the
+  // target's stream: after it returns the rows may be overwritten by anything
+  // queued there.
+  void convert_device_rows();
   void truncate_context(int context, int length);
   // Projects every staged row into its context now (draft() does this first).
   void flush_contexts();
@@ -189,6 +197,10 @@ class CudaDrafter {
   cudaEvent_t device_staged_written_ = nullptr;  // recorded on the target's stream before a pass reads the rows
   cudaEvent_t device_staged_read_ = nullptr;     // recorded on the drafter's stream after a pass read them
   bool device_staged_read_pending_ = false;      // the next conversion must wait on device_staged_read_
+  // Device rows accepted but not yet converted (the last pending_sources_.size()
+  // rows of device_staged_): one gather-convert launch for all of them.
+  std::vector<const float*> pending_sources_;
+  cuda::DeviceBuffer<const float*> pending_table_;
 
   // The draft step, sized for max_rows_ rows (γ * max_rows_ block rows).
   int max_rows_ = 0;

@@ -40,10 +40,14 @@ class DraftSource {
   virtual bool accepts_device_taps() const { return false; }
   // accept() with `device_rows` [count, m*H] f32 in device memory, written by
   // the target's last forward and valid only until its next one: the source
-  // must take what it needs before returning (it may queue device work on the
-  // target's stream, which orders it before that forward). Only called when
-  // accepts_device_taps().
+  // must take what it needs before finish_accepts() returns (it may queue
+  // device work on the target's stream, which orders it before that forward).
+  // Only called when accepts_device_taps().
   virtual void accept_device(int row, std::span<const int32_t> tokens, const float* device_rows);
+  // Called after each batch of accepts (the prefill's, then each round's),
+  // before the target's next forward: a source that held on to device rows
+  // must take them now (CudaDSparkSource converts a round's rows in one launch).
+  virtual void finish_accepts() {}
 
   // Proposals for `rows`, each continuing after its `pending` token (the last
   // emitted token, not yet in the target's cache); at most max_tokens[i] each.

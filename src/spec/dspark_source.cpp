@@ -5,7 +5,7 @@
 namespace dspark {
 
 void DSparkSource::begin(int row, std::span<const int32_t>, uint64_t seed) {
-  rows_.insert_or_assign(row, RowState{DraftContext{}, Rng(seed)});
+  rows_.insert_or_assign(row, RowState{DraftContext{}, Rng(seed), {}});
 }
 
 void DSparkSource::accept(int row, std::span<const int32_t> tokens, const float* tapped_rows) {

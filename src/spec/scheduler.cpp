@@ -16,35 +16,64 @@ namespace dspark {
 // The longest run of plain rounds between two drafted ones while drafting does not pay.
 constexpr int kMaxUndraftedRounds = 32;
 
-double SpsProfile::at(int tokens_in_forward) const {
-  DSPARK_CHECK(!tokens.empty() && tokens.size() == steps_per_second.size(), "SPS profile: no measurements");
-  const double B = std::max(1, tokens_in_forward);
-  auto seconds = [&](size_t i) { return 1.0 / steps_per_second[i]; };
-  if (B <= tokens.front()) return steps_per_second.front();
-  for (size_t i = 0; i + 1 < tokens.size(); ++i) {
-    if (B > tokens[i + 1]) continue;
-    const double fraction = (B - tokens[i]) / double(tokens[i + 1] - tokens[i]);
+namespace {
+
+// Steps per second at `count` from measured (points, rates): the step time
+// interpolated linearly, extrapolated linearly (never decreasing) past the last.
+double interpolate_rate(const std::vector<int>& points, const std::vector<double>& rates, int count) {
+  const double x = std::max(1, count);
+  auto seconds = [&](size_t i) { return 1.0 / rates[i]; };
+  if (x <= points.front()) return rates.front();
+  for (size_t i = 0; i + 1 < points.size(); ++i) {
+    if (x > points[i + 1]) continue;
+    const double fraction = (x - points[i]) / double(points[i + 1] - points[i]);
     return 1.0 / (seconds(i) + fraction * (seconds(i + 1) - seconds(i)));
   }
-  const size_t last = tokens.size() - 1;
-  double slope = 0.0;  // seconds per extra token past the last measurement
-  if (last > 0) slope = std::max(0.0, (seconds(last) - seconds(last - 1)) / double(tokens[last] - tokens[last - 1]));
-  return 1.0 / (seconds(last) + slope * (B - tokens[last]));
+  const size_t last = points.size() - 1;
+  double slope = 0.0;  // seconds per extra unit past the last measurement
+  if (last > 0) slope = std::max(0.0, (seconds(last) - seconds(last - 1)) / double(points[last] - points[last - 1]));
+  return 1.0 / (seconds(last) + slope * (x - points[last]));
 }
 
-Json SpsProfile::to_json() const { return {{"tokens", tokens}, {"steps_per_second", steps_per_second}}; }
+// Reads a (points, rates) pair: non-empty, of one length, points positive
+// and ascending, rates positive.
+void read_rates(const Json& json, const char* points_key, const char* rates_key, const std::string& where,
+                std::vector<int>& points, std::vector<double>& rates) {
+  points = json_get<std::vector<int>>(json, points_key, where);
+  rates = json_get<std::vector<double>>(json, rates_key, where);
+  DSPARK_CHECK(!points.empty() && points.size() == rates.size(), where, ": ", points_key, " and ", rates_key,
+               " must be non-empty and of one length");
+  for (size_t i = 0; i < points.size(); ++i) {
+    DSPARK_CHECK(points[i] >= 1 && (i == 0 || points[i] > points[i - 1]), where, ": ", points_key,
+                 " must be positive and ascending");
+    DSPARK_CHECK(rates[i] > 0, where, ": ", rates_key, " must be positive");
+  }
+}
+
+}  // namespace
+
+double SpsProfile::at(int tokens_in_forward) const {
+  DSPARK_CHECK(!tokens.empty() && tokens.size() == steps_per_second.size(), "SPS profile: no measurements");
+  return interpolate_rate(tokens, steps_per_second, tokens_in_forward);
+}
+
+double SpsProfile::plain_at(int rows) const {
+  if (plain_rows.empty() || plain_rows.size() != plain_steps_per_second.size()) return at(rows);
+  return interpolate_rate(plain_rows, plain_steps_per_second, rows);
+}
+
+Json SpsProfile::to_json() const {
+  Json json = {{"tokens", tokens}, {"steps_per_second", steps_per_second}};
+  if (!plain_rows.empty()) json["plain_rows"] = plain_rows, json["plain_steps_per_second"] = plain_steps_per_second;
+  return json;
+}
 
 SpsProfile SpsProfile::from_json(const Json& json, const std::string& where) {
   SpsProfile profile;
-  profile.tokens = json_get<std::vector<int>>(json, "tokens", where);
-  profile.steps_per_second = json_get<std::vector<double>>(json, "steps_per_second", where);
-  DSPARK_CHECK(!profile.tokens.empty() && profile.tokens.size() == profile.steps_per_second.size(), where,
-               ": tokens and steps_per_second must be non-empty and of one length");
-  for (size_t i = 0; i < profile.tokens.size(); ++i) {
-    DSPARK_CHECK(profile.tokens[i] >= 1 && (i == 0 || profile.tokens[i] > profile.tokens[i - 1]), where,
-                 ": tokens must be positive and ascending");
-    DSPARK_CHECK(profile.steps_per_second[i] > 0, where, ": steps_per_second must be positive");
-  }
+  read_rates(json, "tokens", "steps_per_second", where, profile.tokens, profile.steps_per_second);
+  if (json.contains("plain_rows"))
+    read_rates(json, "plain_rows", "plain_steps_per_second", where, profile.plain_rows,
+               profile.plain_steps_per_second);
   return profile;
 }
 
@@ -69,7 +98,7 @@ SpsProfile measure_sps(Target& target, const SpsProfileOptions& options) {
   DSPARK_CHECK(context >= 1, "SPS profile: the model's context of ", config.max_positions,
                " leaves no room for a verify block of ", spread);
   const std::vector<int> points = sps_profile_points(options.max_tokens);
-  const int sequences = (options.max_tokens + spread - 1) / spread;
+  const int sequences = std::max((options.max_tokens + spread - 1) / spread, options.max_rows);
   Rng rng(20240601);
   auto random_tokens = [&](int count) {
     std::vector<int32_t> tokens(count);
@@ -91,8 +120,12 @@ SpsProfile measure_sps(Target& target, const SpsProfileOptions& options) {
   }
   TargetRequest verify;
   verify.taps = options.taps;
+  verify.taps_on_device = options.taps_on_device;
   SpsProfile profile;
-  Progress progress("SPS profile", long(points.size()), "points");
+  std::vector<int> plain_points;  // R = 1, 2, 4, ... sequences
+  for (int R = 1; R < sequences; R *= 2) plain_points.push_back(R);
+  plain_points.push_back(sequences);
+  Progress progress("SPS profile", long(points.size() + plain_points.size()), "points");
   for (size_t p = 0; p < points.size(); ++p) {
     const int B = points[p], rows = (B + spread - 1) / spread;
     inputs.clear();
@@ -114,10 +147,31 @@ SpsProfile measure_sps(Target& target, const SpsProfileOptions& options) {
     profile.steps_per_second.push_back(1.0 / std::max(seconds[seconds.size() / 2], 1e-9));
     progress.update(long(p + 1), "B=" + std::to_string(B));
   }
+  for (size_t p = 0; p < plain_points.size(); ++p) {  // plain decoding: R sequences, one token each, no taps
+    const int R = plain_points[p];
+    inputs.clear();
+    blocks.resize(R);
+    for (int s = 0; s < R; ++s) {
+      blocks[s] = random_tokens(1);
+      inputs.push_back({ids[s], blocks[s], false});
+    }
+    std::vector<double> seconds;
+    for (int run = 0; run < 2 + options.runs; ++run) {
+      const auto start = std::chrono::steady_clock::now();
+      target.forward(inputs, TargetRequest{}, result);
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      for (int s = 0; s < R; ++s) target.truncate_sequence(ids[s], context);
+      if (run >= 2) seconds.push_back(elapsed);
+    }
+    std::sort(seconds.begin(), seconds.end());
+    profile.plain_rows.push_back(R);
+    profile.plain_steps_per_second.push_back(1.0 / std::max(seconds[seconds.size() / 2], 1e-9));
+    progress.update(long(points.size() + p + 1), "R=" + std::to_string(R));
+  }
   progress.finish();
   for (int id : ids) target.release_sequence(id);
-  for (size_t i = 1; i < profile.steps_per_second.size(); ++i)  // step time never decreasing in B
-    profile.steps_per_second[i] = std::min(profile.steps_per_second[i], profile.steps_per_second[i - 1]);
+  for (auto* rates : {&profile.steps_per_second, &profile.plain_steps_per_second})  // never faster with more
+    for (size_t i = 1; i < rates->size(); ++i) (*rates)[i] = std::min((*rates)[i], (*rates)[i - 1]);
   return profile;
 }
 
@@ -180,6 +234,7 @@ DraftCostProfile measure_draft_cost(Target& target, DraftSource& source, int gam
     for (int r = first; r < last; ++r)
       source.accept(r, std::span(prompts[r]).first(context - 1),
                     taps.empty() ? nullptr : result.taps.data() + size_t(r - first) * (context - 1) * tap_width);
+    source.finish_accepts();
   }
   std::vector<int> points;
   for (int R = 1; R < max_rows; R *= 2) points.push_back(R);
@@ -271,12 +326,14 @@ SpsProfile cached_sps_profile(Target& target, const std::string& model_key, cons
   std::string key = target.device_description() + " | " + model_key + " | context " + std::to_string(options.context) +
                     ", " + std::to_string(options.tokens_per_sequence) + " tokens per sequence, taps [";
   for (size_t i = 0; i < options.taps.size(); ++i) key += (i ? "," : "") + std::to_string(options.taps[i]);
-  key += "]";
+  key += options.taps_on_device ? "] on the device" : "]";
   if (measured) *measured = false;
   if (!remeasure) {
     std::optional<SpsProfile> cached = cached_profile<SpsProfile>(
         cache_file, key, SpsProfile::from_json,
-        [&](const SpsProfile& profile) { return profile.tokens.back() >= options.max_tokens; });
+        [&](const SpsProfile& profile) {
+          return profile.tokens.back() >= options.max_tokens && !profile.plain_rows.empty();
+        });
     if (cached) return *cached;
   }
   SpsProfile profile = measure_sps(target, options);
@@ -373,7 +430,7 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   // the drafted rounds (one round's confidences are noisy at small batches).
   const int R = static_cast<int>(proposals.size());
   const double speculative = expected / (1.0 / sps_.at(tokens) + draft_cost_->at(R));
-  const double gain = speculative / (R * sps_.at(R));
+  const double gain = speculative / (R * sps_.plain_at(R));
   gain_ = measured_ ? 0.5 * gain_ + 0.5 * gain : gain;
   measured_ = true;
   if (gain_ >= 1.0) {

@@ -24,7 +24,7 @@
 // drafts gains (a fast target at a large batch), plain decoding steps are
 // faster. With a measured D(R), PrefixScheduler::should_draft keeps a running
 // estimate of the gain of the rounds it scheduled, the predicted tokens per
-// second τ*/(1/SPS(B) + D(R)) over plain decoding's R·SPS(R), and while it is
+// second τ*/(1/SPS(B) + D(R)) over plain decoding's measured R·P(R), and while it is
 // below 1 lets rounds go undrafted (a plain step: each row's pending token
 // alone), probing again after 1, 2, 4, ... 32 such rounds. The decision reads
 // only earlier rounds' confidences and the stored profiles, never a token of
@@ -47,9 +47,16 @@ namespace dspark {
 struct SpsProfile {
   std::vector<int> tokens;               // B of each measurement, ascending, tokens[0] = 1
   std::vector<double> steps_per_second;  // [points] SPS(B)
+  // Plain decoding's steps per second at R sequences of one token each, no
+  // taps: what a round left undrafted competes with (the verify profile above
+  // spreads B over B/8 sequences and returns taps, which costs more per token).
+  std::vector<int> plain_rows = {};                 // R of each measurement, ascending, or empty
+  std::vector<double> plain_steps_per_second = {};  // [plain points]
   // SPS at any B >= 1: the step time 1/SPS is interpolated linearly between
   // measured points and extrapolated linearly (never decreasing) past the last.
   double at(int tokens) const;
+  // Plain steps per second at R rows, interpolated the same way (at(R) when not measured).
+  double plain_at(int rows) const;
   Json to_json() const;
   static SpsProfile from_json(const Json& json, const std::string& where);
 };
@@ -70,6 +77,8 @@ struct SpsProfileOptions {
   int context = 64;             // tokens already in each sequence's cache
   int tokens_per_sequence = 8;  // B is spread over ceil(B / this) sequences, like verify blocks
   std::vector<int> taps;        // tapped layers returned with the forward, as the draft source needs
+  bool taps_on_device = false;  // ... left on the device, as a GPU drafter reads them
+  int max_rows = 0;             // plain steps measured up to this many sequences (0: as many as the B points use)
   int runs = 5;                 // timed runs per point (median), after 2 warm-ups
 };
 
@@ -78,8 +87,9 @@ struct SpsProfileOptions {
 std::vector<int> sps_profile_points(int max_tokens);
 
 // Times greedy verify forwards of B tokens on `target` (rolled back after
-// each). Step times are made non-decreasing in B (more tokens never cost
-// less; what remains is timing noise).
+// each), then plain decoding steps of R = 1, 2, 4, ... sequences (one token
+// each, no taps). Step times are made non-decreasing in B and R (more tokens
+// never cost less; what remains is timing noise).
 SpsProfile measure_sps(Target& target, const SpsProfileOptions& options);
 
 // The cache of measured profiles: $DSPARK_CACHE_DIR/sps.json, else

@@ -108,6 +108,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       accept(int(owners[i]), inputs[i].tokens, row);
       row += inputs[i].tokens.size();
     }
+    source.finish_accepts();
   }
   const auto prefill_done = Clock::now();
 
@@ -243,6 +244,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
         request.result.trace.push_back({proposal.tokens, proposal.confidence, verdict.accepted, emitted});
       request.pending = verdict.next;
     }
+    source.finish_accepts();  // before the next forward overwrites the taps
     for (int r : active)
       if (requests[r].done) {
         target.release_sequence(requests[r].sequence);

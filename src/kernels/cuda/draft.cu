@@ -91,12 +91,21 @@ __global__ void scatter_rows_kernel(bf16* const* destinations, const bf16* rows,
   for (int i = threadIdx.x; i < width; i += kThreads) destination[i] = source[i];
 }
 
+__device__ inline uint16_t bf16_bits(float value) {
+  const uint32_t bits = __float_as_uint(value);
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;  // core/dtype.h's f32_to_bf16, bit for bit
+  return static_cast<uint16_t>(nan ? (bits >> 16) | 0x40u : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
 __global__ void f32_to_bf16_kernel(uint16_t* out, const float* in, long count) {
-  for (long i = blockIdx.x * long(kThreads) + threadIdx.x; i < count; i += long(gridDim.x) * kThreads) {
-    const uint32_t bits = __float_as_uint(in[i]);
-    const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;  // core/dtype.h's f32_to_bf16, bit for bit
-    out[i] = static_cast<uint16_t>(nan ? (bits >> 16) | 0x40u : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-  }
+  for (long i = blockIdx.x * long(kThreads) + threadIdx.x; i < count; i += long(gridDim.x) * kThreads)
+    out[i] = bf16_bits(in[i]);
+}
+
+__global__ void gather_f32_to_bf16_kernel(uint16_t* out, const float* const* sources, int width) {
+  const float* source = sources[blockIdx.x];
+  uint16_t* row = out + static_cast<long>(blockIdx.x) * width;
+  for (int i = threadIdx.x; i < width; i += kThreads) row[i] = bf16_bits(source[i]);
 }
 
 __global__ void gather_staged_rows_kernel(bf16* rows, const bf16* staged, const int32_t* sources, int width) {
@@ -117,6 +126,12 @@ void f32_to_bf16_forward(bf16* out, const float* in, long count, cudaStream_t st
   if (count <= 0) return;
   const long blocks = std::min<long>((count + kThreads - 1) / kThreads, 4096);
   f32_to_bf16_kernel<<<static_cast<int>(blocks), kThreads, 0, stream>>>(reinterpret_cast<uint16_t*>(out), in, count);
+  CUDA_CHECK_LAUNCH();
+}
+
+void gather_f32_to_bf16_forward(bf16* out, const float* const* sources, int rows, int width, cudaStream_t stream) {
+  if (rows <= 0) return;
+  gather_f32_to_bf16_kernel<<<rows, kThreads, 0, stream>>>(reinterpret_cast<uint16_t*>(out), sources, width);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -81,6 +81,13 @@ void scatter_rows_forward(__nv_bfloat16* const* destinations, const __nv_bfloat1
 // taps converted here equal those converted on the host.
 void f32_to_bf16_forward(__nv_bfloat16* out, const float* in, long count, cudaStream_t stream);
 
+// out row i (width values) = bf16(sources[i][0 .. width)) for `rows` rows,
+// rounded as f32_to_bf16_forward: a round's accepted tap rows, wherever the
+// target's forward left them, into consecutive staging rows with one launch.
+// `sources` is a device array of device pointers.
+void gather_f32_to_bf16_forward(__nv_bfloat16* out, const float* const* sources, int rows, int width,
+                                cudaStream_t stream);
+
 // Fills rows [count, width] of one context-extension pass from staged rows
 // [*, width]: rows[i] = staged[sources[i]] where sources[i] >= 0, zeros where
 // sources[i] == kZeroRow, untouched where it is kKeepRow (a row already copied
