@@ -135,7 +135,7 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
   // Cheap drafting (1 ms): 2.71 / 11 ms = 246 tokens/s, gain 2.46: every round drafts.
   PrefixScheduler cheap(flat, DraftCostProfile{{1}, {0.001}});
   for (int round = 0; round < 6; ++round) {
-    ASSERT_TRUE(cheap.should_draft(1)) << round;
+    ASSERT_EQ(cheap.rows_to_draft(1), 1) << round;
     cheap.schedule(good, verify);
     EXPECT_EQ(verify, std::vector<int>{2});
   }
@@ -144,7 +144,7 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
   PrefixScheduler dear(flat, DraftCostProfile{{1}, {0.1}});
   std::string pattern;
   for (int round = 0; round < 19; ++round) {
-    const bool draft = dear.should_draft(1);
+    const bool draft = dear.rows_to_draft(1) == 1;
     pattern += draft ? 'D' : '.';
     if (draft) dear.schedule(good, verify);
   }
@@ -154,16 +154,32 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
   PrefixScheduler even(flat, DraftCostProfile{{1}, {0.01}});
   pattern.clear();
   for (int round = 0; round < 8; ++round) {
-    const bool draft = even.should_draft(1);
+    const bool draft = even.rows_to_draft(1) == 1;
     pattern += draft ? 'D' : '.';
     if (draft) even.schedule(round == 0 ? poor : good, verify);
   }
   EXPECT_EQ(pattern, "D.D..DDD");
   EXPECT_NEAR(even.gain(), 0.0625 * 0.525 + 0.9375 * 1.355, 1e-6);
+  // Four rows: a closed gate probes with one row, whose round is scaled to
+  // four for the estimate (the same gain as four such rows drafting).
+  PrefixScheduler batch(flat, DraftCostProfile{{1}, {0.1}});
+  std::vector<Proposal> four(4, good[0]), probe(4);
+  probe[0] = good[0];
+  std::vector<int> drafting;
+  for (int round = 0; round < 6; ++round) {
+    drafting.push_back(batch.rows_to_draft(4));
+    if (drafting.back() == 4) batch.schedule(four, verify);
+    if (drafting.back() == 1) {
+      batch.schedule(probe, verify);
+      EXPECT_EQ(verify, (std::vector<int>{2, 0, 0, 0}));
+    }
+  }
+  EXPECT_EQ(drafting, (std::vector<int>{4, 0, 1, 0, 0, 1}));
+  EXPECT_NEAR(batch.gain(), (4 + 4 * 1.71) / (0.01 + 0.4) / 400, 1e-6);  // D(4) = 4 x 100 ms past the last point
   // Without a draft cost profile the gate never closes (Alg 1 alone).
   PrefixScheduler alone(flat);
   for (int round = 0; round < 4; ++round) {
-    EXPECT_TRUE(alone.should_draft(1));
+    EXPECT_EQ(alone.rows_to_draft(1), 1);
     alone.schedule(poor, verify);
   }
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
@@ -405,10 +406,13 @@ std::vector<int> prefix_schedule(std::span<const std::vector<float>> confidences
   return verify;
 }
 
-bool PrefixScheduler::should_draft(int) {
-  if (!draft_cost_ || undrafted_left_ == 0) return true;
-  --undrafted_left_;
-  return false;
+int PrefixScheduler::rows_to_draft(int rows) {
+  if (!draft_cost_ || !closed_) return rows;
+  if (undrafted_left_ > 0) {
+    --undrafted_left_;
+    return 0;
+  }
+  return std::min(rows, 1);  // the probe: one row drafts, to look again
 }
 
 void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<int>& verify) {
@@ -425,17 +429,26 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   verify = prefix_schedule(confidences_, sps_, whole, &expected, &tokens);
   for (size_t i = 0; i < proposals.size(); ++i)
     if (proposals[i].confidence.size() != proposals[i].tokens.size()) verify[i] = int(proposals[i].tokens.size());
-  if (!draft_cost_ || proposals.empty()) return;
-  // This round's predicted tokens/s against plain decoding's, smoothed over
-  // the drafted rounds (one round's confidences are noisy at small batches).
+  if (!draft_cost_) return;
+  // This round's prediction for a round where every row drafts, per drafting
+  // row (a probe round drafts one): tokens/s against plain decoding's,
+  // smoothed over the drafted rounds (one round's confidences are noisy).
   const int R = static_cast<int>(proposals.size());
-  const double speculative = expected / (1.0 / sps_.at(tokens) + draft_cost_->at(R));
+  const int drafting = static_cast<int>(std::count_if(proposals.begin(), proposals.end(),
+                                                       [](const Proposal& p) { return !p.tokens.empty(); }));
+  if (drafting == 0) return;
+  const double expected_all = R + (expected - R) * R / drafting;
+  const double tokens_all = R + double(tokens - R) * R / drafting;
+  const double speculative =
+      expected_all / (1.0 / sps_.at(static_cast<int>(std::lround(tokens_all))) + draft_cost_->at(R));
   const double gain = speculative / (R * sps_.plain_at(R));
   gain_ = measured_ ? 0.5 * gain_ + 0.5 * gain : gain;
   measured_ = true;
   if (gain_ >= 1.0) {
+    closed_ = false;
     backoff_ = 1;
-  } else {  // plain rounds for a while, then this scheduler drafts again to look
+  } else {  // plain rounds for a while, then one row drafts again to look
+    closed_ = true;
     undrafted_left_ = backoff_;
     backoff_ = std::min(2 * backoff_, kMaxUndraftedRounds);
   }

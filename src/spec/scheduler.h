@@ -22,14 +22,16 @@
 // spent by then. Whether a round should draft at all is the question before
 // it: where the drafter's own time per round, D(R), outweighs what verifying
 // drafts gains (a fast target at a large batch), plain decoding steps are
-// faster. With a measured D(R), PrefixScheduler::should_draft keeps a running
-// estimate of the gain of the rounds it scheduled, the predicted tokens per
-// second τ*/(1/SPS(B) + D(R)) over plain decoding's measured R·P(R), and while it is
-// below 1 lets rounds go undrafted (a plain step: each row's pending token
-// alone), probing again after 1, 2, 4, ... 32 such rounds. The decision reads
-// only earlier rounds' confidences and the stored profiles, never a token of
-// the round it concerns, so it keeps every output distribution (and, given
-// the cached profiles, the outputs themselves) as they were.
+// faster. With a measured D(R), PrefixScheduler keeps a running estimate of
+// the gain of the rounds it scheduled, the predicted tokens per second
+// τ*/(1/SPS(B) + D(R)) of a round where all R rows draft over plain
+// decoding's measured R·P(R), and while it is below 1 leaves rounds
+// undrafted (plain steps: each row's pending token alone); after 1, 2, 4, ...
+// 32 of them one row drafts (a probe, scaled to R rows for the estimate: a
+// cheap look where drafting costs per row). The decisions read only earlier
+// rounds' confidences and the stored profiles, never a token of the round
+// they concern, so every output distribution (and, given the cached
+// profiles, every output) stays as it was.
 #pragma once
 #include <filesystem>
 #include <optional>
@@ -118,10 +120,11 @@ DraftCostProfile cached_draft_cost(Target& target, DraftSource& source, const st
 class VerifyScheduler {
  public:
   virtual ~VerifyScheduler() = default;
-  // Asked before each round of R rows: false makes it a plain decoding step
-  // (nothing drafted, so schedule() is not called). Must not depend on anything
-  // drawn in that round.
-  virtual bool should_draft(int rows) { return true; }
+  // Asked before each round of R rows: how many of them (the first ones)
+  // draft; the others take a plain decoding step (their pending token alone).
+  // With 0, schedule() is not called. Must not depend on anything drawn in
+  // that round.
+  virtual int rows_to_draft(int rows) { return rows; }
   // verify[i] = how many of proposals[i].tokens the round verifies (a prefix).
   // proposals[i].confidence is empty when the source has no confidences.
   virtual void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) = 0;
@@ -140,7 +143,7 @@ class PrefixScheduler final : public VerifyScheduler {
   // Without a draft cost profile every round drafts (Alg 1 alone).
   explicit PrefixScheduler(SpsProfile sps, std::optional<DraftCostProfile> draft_cost = std::nullopt)
       : sps_(std::move(sps)), draft_cost_(std::move(draft_cost)) {}
-  bool should_draft(int rows) override;
+  int rows_to_draft(int rows) override;
   // Rows whose proposal has no confidences are verified whole (their tokens count in B).
   void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) override;
   const SpsProfile& sps() const { return sps_; }
@@ -153,7 +156,8 @@ class PrefixScheduler final : public VerifyScheduler {
   std::vector<std::vector<float>> confidences_;
   double gain_ = 1.0;       // smoothed predicted speculative / plain tokens per second
   bool measured_ = false;   // gain_ holds a measurement
-  int undrafted_left_ = 0;  // plain rounds still to run before drafting again
+  bool closed_ = false;     // drafting does not pay: plain rounds and probes
+  int undrafted_left_ = 0;  // plain rounds still to run before the next probe
   int backoff_ = 1;         // plain rounds after the next round that does not pay
 };
 

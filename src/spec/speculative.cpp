@@ -115,7 +115,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   std::vector<int> active, limits, verify_counts;
   std::vector<long> proposed_counts;
   std::vector<int32_t> pending;
-  std::vector<Proposal> proposals;
+  std::vector<Proposal> proposals, probe;
   std::vector<std::vector<int32_t>> blocks;
   std::vector<float> target_probs;
   std::vector<int32_t> order;
@@ -140,11 +140,18 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     if (active.empty()) break;
     // An undrafted round (the scheduler judged drafting not to pay) is a
     // plain decoding step: each row verifies its pending token alone.
-    const bool drafting = !options.scheduler || options.scheduler->should_draft(int(active.size()));
-    if (drafting)
+    const size_t drafting =
+        options.scheduler ? size_t(options.scheduler->rows_to_draft(int(active.size()))) : active.size();
+    if (drafting == active.size()) {
       source.propose(active, pending, limits, options.sampling, proposals);
-    else
+    } else {  // the first `drafting` rows draft (a probe), the others take a plain step
       proposals.assign(active.size(), Proposal{});
+      if (drafting > 0) {
+        source.propose(std::span(active).first(drafting), std::span(pending).first(drafting),
+                       std::span(limits).first(drafting), options.sampling, probe);
+        std::move(probe.begin(), probe.end(), proposals.begin());
+      }
+    }
     proposed_counts.clear();
     for (size_t i = 0; i < active.size(); ++i) {
       Proposal& proposal = proposals[i];
@@ -219,7 +226,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
 
       SpeculativeStats& stats = request.result.stats;
       ++stats.rounds;
-      if (!drafting) ++stats.undrafted;
+      if (i >= drafting) ++stats.undrafted;
       stats.proposed += proposed_counts[i];
       stats.drafted += n;
       stats.accepted += verdict.accepted;

@@ -40,7 +40,7 @@ struct RoundTrace {
 struct SpeculativeStats {
   long rounds = 0, drafted = 0, accepted = 0;  // drafted: tokens verified
   long proposed = 0;                           // tokens the source proposed (>= drafted with a scheduler)
-  long undrafted = 0;                          // rounds the scheduler left undrafted (plain steps)
+  long undrafted = 0;                          // rounds the scheduler left undrafted for the row (plain steps)
   std::vector<long> drafted_at, accepted_at;  // [γ] rounds that drafted / accepted position k
   // Tokens emitted per target verify forward: sum(accepted + 1) / rounds (plain decoding: 1).
   double tau() const { return rounds ? double(accepted + rounds) / rounds : 0.0; }
