@@ -42,7 +42,15 @@ TEST(SpsProfile, InterpolatesStepTimeAndExtrapolatesPastTheLastPoint) {
   with_plain.plain_rows = {1, 3}, with_plain.plain_steps_per_second = {200.0, 100.0};
   EXPECT_NEAR(with_plain.plain_at(2), 1000.0 / 7.5, 1e-9);  // between 5 and 10 ms
   EXPECT_NEAR(with_plain.plain_at(4), 1000.0 / 12.5, 1e-9);  // 2.5 ms more per row past the end
+  // Rounds: at R = 1 step times 10 / 20 ms at k = 0 / 2 drafts; at R = 3, 20 / 40 ms.
+  EXPECT_DOUBLE_EQ(with_plain.round_at(1, 1.0), with_plain.at(2));  // not measured: SPS(R (1 + k))
+  with_plain.round_drafts = {0, 2}, with_plain.round_steps_per_second = {100.0, 50.0, 50.0, 25.0};
+  EXPECT_NEAR(with_plain.round_at(1, 1.0), 1000.0 / 15, 1e-9);
+  EXPECT_NEAR(with_plain.round_at(2, 1.0), 1000.0 / 22.5, 1e-9);  // 15 and 30 ms at R = 1 and 3
+  EXPECT_NEAR(with_plain.round_at(3, 5.0), 25.0, 1e-9);           // k past the last measured: clamped
   const SpsProfile plain_trip = SpsProfile::from_json(with_plain.to_json(), "test");
+  EXPECT_EQ(plain_trip.round_drafts, with_plain.round_drafts);
+  EXPECT_EQ(plain_trip.round_steps_per_second, with_plain.round_steps_per_second);
   EXPECT_EQ(plain_trip.plain_rows, with_plain.plain_rows);
   EXPECT_EQ(plain_trip.plain_steps_per_second, with_plain.plain_steps_per_second);
   EXPECT_NE(testing::error_of([] {
@@ -225,6 +233,8 @@ TEST(SpsProfile, MeasuredOnceAndCachedPerDeviceAndModel) {
   }
   EXPECT_EQ(first.plain_rows, (std::vector<int>{1, 2}));  // 12 tokens, 8 a sequence: 2 sequences
   for (double rate : first.plain_steps_per_second) EXPECT_GT(rate, 0.0);
+  EXPECT_EQ(first.round_drafts, (std::vector<int>{0, 1, 2, 4, 7}));
+  EXPECT_EQ(first.round_steps_per_second.size(), 2u * 5u);
   const SpsProfile again = cached_sps_profile(target, "qwen3-key", options, cache, false, &measured);
   EXPECT_FALSE(measured);
   EXPECT_EQ(again.steps_per_second, first.steps_per_second);

@@ -54,6 +54,7 @@ VerifySchedules::VerifySchedules(Target& target, const LoadedDraftSource& loaded
     options.taps = loaded.source->tap_layers();
     options.taps_on_device = unpruned_->accepts_device_taps();  // as the rounds will run
     options.max_rows = max_batch;
+    options.max_drafts = gamma;
     bool measured = false;
     SpsProfile sps = cached_sps_profile(target, std::filesystem::weakly_canonical(model_directory).string(), options,
                                         sps_cache, reprofile, &measured);

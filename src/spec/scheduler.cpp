@@ -63,9 +63,29 @@ double SpsProfile::plain_at(int rows) const {
   return interpolate_rate(plain_rows, plain_steps_per_second, rows);
 }
 
+double SpsProfile::round_at(int rows, double drafts_per_row) const {
+  const size_t K = round_drafts.size();
+  if (K == 0 || plain_rows.empty() || round_steps_per_second.size() != plain_rows.size() * K)
+    return at(static_cast<int>(std::lround(rows * (1.0 + drafts_per_row))));
+  // Each measured R's rate at k drafts (step time linear in k, clamped to the measured range) ...
+  const double k = std::clamp(drafts_per_row, 0.0, double(round_drafts.back()));
+  std::vector<double> rates(plain_rows.size());
+  for (size_t r = 0; r < plain_rows.size(); ++r) {
+    const double* row = round_steps_per_second.data() + r * K;
+    size_t i = 0;
+    while (i + 2 < K && k > round_drafts[i + 1]) ++i;
+    const double fraction = K == 1 ? 0.0 : (k - round_drafts[i]) / double(round_drafts[i + 1] - round_drafts[i]);
+    rates[r] = K == 1 ? row[0] : 1.0 / (1.0 / row[i] + fraction * (1.0 / row[i + 1] - 1.0 / row[i]));
+  }
+  // ... then across R.
+  return interpolate_rate(plain_rows, rates, rows);
+}
+
 Json SpsProfile::to_json() const {
   Json json = {{"tokens", tokens}, {"steps_per_second", steps_per_second}};
   if (!plain_rows.empty()) json["plain_rows"] = plain_rows, json["plain_steps_per_second"] = plain_steps_per_second;
+  if (!round_drafts.empty())
+    json["round_drafts"] = round_drafts, json["round_steps_per_second"] = round_steps_per_second;
   return json;
 }
 
@@ -75,6 +95,17 @@ SpsProfile SpsProfile::from_json(const Json& json, const std::string& where) {
   if (json.contains("plain_rows"))
     read_rates(json, "plain_rows", "plain_steps_per_second", where, profile.plain_rows,
                profile.plain_steps_per_second);
+  if (json.contains("round_drafts")) {
+    profile.round_drafts = json_get<std::vector<int>>(json, "round_drafts", where);
+    profile.round_steps_per_second = json_get<std::vector<double>>(json, "round_steps_per_second", where);
+    DSPARK_CHECK(!profile.round_drafts.empty() && profile.round_drafts[0] == 0 &&
+                     profile.round_steps_per_second.size() == profile.plain_rows.size() * profile.round_drafts.size(),
+                 where, ": round_drafts must start at 0 and round_steps_per_second hold plain_rows x round_drafts");
+    for (size_t i = 1; i < profile.round_drafts.size(); ++i)
+      DSPARK_CHECK(profile.round_drafts[i] > profile.round_drafts[i - 1], where, ": round_drafts must ascend");
+    for (double rate : profile.round_steps_per_second)
+      DSPARK_CHECK(rate > 0, where, ": round_steps_per_second must be positive");
+  }
   return profile;
 }
 
@@ -126,6 +157,9 @@ SpsProfile measure_sps(Target& target, const SpsProfileOptions& options) {
   std::vector<int> plain_points;  // R = 1, 2, 4, ... sequences
   for (int R = 1; R < sequences; R *= 2) plain_points.push_back(R);
   plain_points.push_back(sequences);
+  const int max_drafts = std::min(options.max_drafts, spread - 1);  // sequences have room for `spread` tokens
+  for (int k = 0; k <= max_drafts; k = k < 2 ? k + 1 : 2 * k) profile.round_drafts.push_back(k);
+  if (profile.round_drafts.back() != max_drafts) profile.round_drafts.push_back(max_drafts);
   Progress progress("SPS profile", long(points.size() + plain_points.size()), "points");
   for (size_t p = 0; p < points.size(); ++p) {
     const int B = points[p], rows = (B + spread - 1) / spread;
@@ -167,6 +201,22 @@ SpsProfile measure_sps(Target& target, const SpsProfileOptions& options) {
     std::sort(seconds.begin(), seconds.end());
     profile.plain_rows.push_back(R);
     profile.plain_steps_per_second.push_back(1.0 / std::max(seconds[seconds.size() / 2], 1e-9));
+    for (int k : profile.round_drafts) {  // rounds: R sequences of 1 + k tokens, with the taps
+      for (int s = 0; s < R; ++s) {
+        blocks[s] = random_tokens(1 + k);
+        inputs[s] = {ids[s], blocks[s], true};
+      }
+      seconds.clear();
+      for (int run = 0; run < 2 + options.runs; ++run) {
+        const auto start = std::chrono::steady_clock::now();
+        target.forward(inputs, verify, result);
+        const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        for (int s = 0; s < R; ++s) target.truncate_sequence(ids[s], context);
+        if (run >= 2) seconds.push_back(elapsed);
+      }
+      std::sort(seconds.begin(), seconds.end());
+      profile.round_steps_per_second.push_back(1.0 / std::max(seconds[seconds.size() / 2], 1e-9));
+    }
     progress.update(long(points.size() + p + 1), "R=" + std::to_string(R));
   }
   progress.finish();
@@ -333,7 +383,8 @@ SpsProfile cached_sps_profile(Target& target, const std::string& model_key, cons
     std::optional<SpsProfile> cached = cached_profile<SpsProfile>(
         cache_file, key, SpsProfile::from_json,
         [&](const SpsProfile& profile) {
-          return profile.tokens.back() >= options.max_tokens && !profile.plain_rows.empty();
+          return profile.tokens.back() >= options.max_tokens && !profile.plain_rows.empty() &&
+                 !profile.round_drafts.empty() && profile.plain_rows.back() >= options.max_rows;
         });
     if (cached) return *cached;
   }
@@ -439,8 +490,7 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   if (drafting == 0) return;
   const double expected_all = R + (expected - R) * R / drafting;
   const double tokens_all = R + double(tokens - R) * R / drafting;
-  const double speculative =
-      expected_all / (1.0 / sps_.at(static_cast<int>(std::lround(tokens_all))) + draft_cost_->at(R));
+  const double speculative = expected_all / (1.0 / sps_.round_at(R, (tokens_all - R) / R) + draft_cost_->at(R));
   const double gain = speculative / (R * sps_.plain_at(R));
   gain_ = measured_ ? 0.5 * gain_ + 0.5 * gain : gain;
   measured_ = true;

@@ -54,11 +54,21 @@ struct SpsProfile {
   // spreads B over B/8 sequences and returns taps, which costs more per token).
   std::vector<int> plain_rows = {};                 // R of each measurement, ascending, or empty
   std::vector<double> plain_steps_per_second = {};  // [plain points]
+  // Verify forwards as a round runs them: R sequences (plain_rows) of 1 + k
+  // tokens each (k in round_drafts), with the taps: what a round whose rows
+  // verify k drafts on average costs (SPS(B) alone cannot tell 64 rows with
+  // one draft each from 8 rows with 8).
+  std::vector<int> round_drafts = {};                // k of each measurement, ascending from 0, or empty
+  std::vector<double> round_steps_per_second = {};   // [plain points, round_drafts]
   // SPS at any B >= 1: the step time 1/SPS is interpolated linearly between
   // measured points and extrapolated linearly (never decreasing) past the last.
   double at(int tokens) const;
   // Plain steps per second at R rows, interpolated the same way (at(R) when not measured).
   double plain_at(int rows) const;
+  // Verify steps per second of a round of R rows with k drafts each on
+  // average (step time linear in k between measured k, then in R as at());
+  // at(R * (1 + k)) when not measured.
+  double round_at(int rows, double drafts_per_row) const;
   Json to_json() const;
   static SpsProfile from_json(const Json& json, const std::string& where);
 };
@@ -81,6 +91,7 @@ struct SpsProfileOptions {
   std::vector<int> taps;        // tapped layers returned with the forward, as the draft source needs
   bool taps_on_device = false;  // ... left on the device, as a GPU drafter reads them
   int max_rows = 0;             // plain steps measured up to this many sequences (0: as many as the B points use)
+  int max_drafts = 7;           // round forwards measured with up to this many drafts per row
   int runs = 5;                 // timed runs per point (median), after 2 warm-ups
 };
 
