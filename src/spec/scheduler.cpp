@@ -160,6 +160,20 @@ SpsProfile measure_sps(Target& target, const SpsProfileOptions& options) {
   const int max_drafts = std::min(options.max_drafts, spread - 1);  // sequences have room for `spread` tokens
   for (int k = 0; k <= max_drafts; k = k < 2 ? k + 1 : 2 * k) profile.round_drafts.push_back(k);
   if (profile.round_drafts.back() != max_drafts) profile.round_drafts.push_back(max_drafts);
+  // Median seconds of one forward of `inputs` after 2 warm-ups (GEMM choice,
+  // CUDA graph capture), each rolled back to the shared context.
+  auto median_seconds = [&](const TargetRequest& request) {
+    std::vector<double> seconds;
+    for (int run = 0; run < 2 + options.runs; ++run) {
+      const auto start = std::chrono::steady_clock::now();
+      target.forward(inputs, request, result);
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      for (const TargetInput& input : inputs) target.truncate_sequence(input.sequence, context);
+      if (run >= 2) seconds.push_back(elapsed);
+    }
+    std::sort(seconds.begin(), seconds.end());
+    return std::max(seconds[seconds.size() / 2], 1e-9);
+  };
   Progress progress("SPS profile", long(points.size() + plain_points.size()), "points");
   for (size_t p = 0; p < points.size(); ++p) {
     const int B = points[p], rows = (B + spread - 1) / spread;
@@ -169,17 +183,8 @@ SpsProfile measure_sps(Target& target, const SpsProfileOptions& options) {
       blocks[s] = random_tokens(s + 1 < rows ? spread : B - spread * (rows - 1));
       inputs.push_back({ids[s], blocks[s], true});
     }
-    std::vector<double> seconds;
-    for (int run = 0; run < 2 + options.runs; ++run) {  // 2 warm-ups (GEMM choice, CUDA graph capture)
-      const auto start = std::chrono::steady_clock::now();
-      target.forward(inputs, verify, result);
-      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      for (int s = 0; s < rows; ++s) target.truncate_sequence(ids[s], context);
-      if (run >= 2) seconds.push_back(elapsed);
-    }
-    std::sort(seconds.begin(), seconds.end());
     profile.tokens.push_back(B);
-    profile.steps_per_second.push_back(1.0 / std::max(seconds[seconds.size() / 2], 1e-9));
+    profile.steps_per_second.push_back(1.0 / median_seconds(verify));
     progress.update(long(p + 1), "B=" + std::to_string(B));
   }
   for (size_t p = 0; p < plain_points.size(); ++p) {  // plain decoding: R sequences, one token each, no taps
@@ -190,32 +195,14 @@ SpsProfile measure_sps(Target& target, const SpsProfileOptions& options) {
       blocks[s] = random_tokens(1);
       inputs.push_back({ids[s], blocks[s], false});
     }
-    std::vector<double> seconds;
-    for (int run = 0; run < 2 + options.runs; ++run) {
-      const auto start = std::chrono::steady_clock::now();
-      target.forward(inputs, TargetRequest{}, result);
-      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      for (int s = 0; s < R; ++s) target.truncate_sequence(ids[s], context);
-      if (run >= 2) seconds.push_back(elapsed);
-    }
-    std::sort(seconds.begin(), seconds.end());
     profile.plain_rows.push_back(R);
-    profile.plain_steps_per_second.push_back(1.0 / std::max(seconds[seconds.size() / 2], 1e-9));
+    profile.plain_steps_per_second.push_back(1.0 / median_seconds(TargetRequest{}));
     for (int k : profile.round_drafts) {  // rounds: R sequences of 1 + k tokens, with the taps
       for (int s = 0; s < R; ++s) {
         blocks[s] = random_tokens(1 + k);
         inputs[s] = {ids[s], blocks[s], true};
       }
-      seconds.clear();
-      for (int run = 0; run < 2 + options.runs; ++run) {
-        const auto start = std::chrono::steady_clock::now();
-        target.forward(inputs, verify, result);
-        const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        for (int s = 0; s < R; ++s) target.truncate_sequence(ids[s], context);
-        if (run >= 2) seconds.push_back(elapsed);
-      }
-      std::sort(seconds.begin(), seconds.end());
-      profile.round_steps_per_second.push_back(1.0 / std::max(seconds[seconds.size() / 2], 1e-9));
+      profile.round_steps_per_second.push_back(1.0 / median_seconds(verify));
     }
     progress.update(long(points.size() + p + 1), "R=" + std::to_string(R));
   }
