@@ -236,7 +236,8 @@ TEST_P(Drafting, RetainedContextEqualsRecompute) {
   DraftContext* contexts[] = {&first, &second, &third};
   const float* rows[] = {taps_.data(), taps_.data() + 3L * width_, taps_.data() + 1L * width_};
   const int counts[] = {3, 0, 7};
-  extend_draft_contexts(drafter_, contexts, rows, counts);
+  DraftWorkspace workspace;
+  extend_draft_contexts(drafter_, contexts, rows, counts, workspace);
   EXPECT_EQ(second.length, 0);
   DraftContext first_alone, third_alone;
   extend_draft_context(drafter_, first_alone, taps_.data(), 3);

@@ -190,7 +190,8 @@ void DraftContext::truncate(int new_length) {
 }
 
 void extend_draft_contexts(const Drafter& drafter, std::span<DraftContext* const> contexts,
-                           std::span<const float* const> tapped_rows, std::span<const int> counts) {
+                           std::span<const float* const> tapped_rows, std::span<const int> counts,
+                           DraftWorkspace& work) {
   DSPARK_CHECK(contexts.size() == tapped_rows.size() && contexts.size() == counts.size(),
                "extend_draft_contexts: ", contexts.size(), " contexts, ", tapped_rows.size(), " row sets, ",
                counts.size(), " counts");
@@ -220,23 +221,26 @@ void extend_draft_contexts(const Drafter& drafter, std::span<DraftContext* const
   // same bits however its rows were grouped (one request's prefill, or many
   // requests' rounds at once).
   constexpr int kChunk = 64;
-  std::vector<float> gathered(size_t(kChunk) * width), projected(size_t(kChunk) * d), normed(size_t(kChunk) * d),
-      keys(size_t(kChunk) * d), values(size_t(kChunk) * d);
+  const size_t chunk = std::min<size_t>(kChunk, rows.size());
+  float* gathered = grow(work.context_rows, chunk * width);
+  float* projected = grow(work.projected, chunk * d);
+  float* normed = grow(work.normed, chunk * d);
+  float* keys = grow(work.k, chunk * d);
+  float* values = grow(work.v, chunk * d);
   for (size_t begin = 0; begin < rows.size(); begin += kChunk) {
     const int n = static_cast<int>(std::min<size_t>(kChunk, rows.size() - begin));
-    for (int r = 0; r < n; ++r) std::copy_n(rows[begin + r].taps, width, gathered.data() + size_t(r) * width);
+    for (int r = 0; r < n; ++r) std::copy_n(rows[begin + r].taps, width, gathered + size_t(r) * width);
     // Hc = rms(hctx @ W_c, ctx_norm)
-    cpu::matmul_in_out_forward(projected.data(), gathered.data(), drafter["W_c"], n, width, d);
-    cpu::rmsnorm_forward(projected.data(), projected.data(), drafter["ctx_norm"], n, d, drafter.dims.eps);
+    cpu::matmul_in_out_forward(projected, gathered, drafter["W_c"], n, width, d);
+    cpu::rmsnorm_forward(projected, projected, drafter["ctx_norm"], n, d, drafter.dims.eps);
     for (int l = 0; l < L; ++l) {  // per layer: rms(Hc, attn_norm) @ k | v
-      cpu::rmsnorm_forward(normed.data(), projected.data(), drafter[layer_name(l, "attn_norm")], n, d,
-                           drafter.dims.eps);
-      cpu::matmul_in_out_forward(keys.data(), normed.data(), drafter[layer_name(l, "k")], n, d, d);
-      cpu::matmul_in_out_forward(values.data(), normed.data(), drafter[layer_name(l, "v")], n, d, d);
+      cpu::rmsnorm_forward(normed, projected, drafter[layer_name(l, "attn_norm")], n, d, drafter.dims.eps);
+      cpu::matmul_in_out_forward(keys, normed, drafter[layer_name(l, "k")], n, d, d);
+      cpu::matmul_in_out_forward(values, normed, drafter[layer_name(l, "v")], n, d, d);
       for (int r = 0; r < n; ++r) {
         const Row& row = rows[begin + r];
-        std::copy_n(keys.data() + size_t(r) * d, d, row.context->keys[l].data() + size_t(row.position) * d);
-        std::copy_n(values.data() + size_t(r) * d, d, row.context->values[l].data() + size_t(row.position) * d);
+        std::copy_n(keys + size_t(r) * d, d, row.context->keys[l].data() + size_t(row.position) * d);
+        std::copy_n(values + size_t(r) * d, d, row.context->values[l].data() + size_t(row.position) * d);
       }
     }
   }
@@ -246,7 +250,8 @@ void extend_draft_context(const Drafter& drafter, DraftContext& context, const f
   DraftContext* contexts[] = {&context};
   const float* rows[] = {tapped_rows};
   const int counts[] = {count};
-  extend_draft_contexts(drafter, contexts, rows, counts);
+  DraftWorkspace work;
+  extend_draft_contexts(drafter, contexts, rows, counts, work);
 }
 
 void draft(const Drafter& drafter, const TargetHead& head, std::span<const DraftRequest> requests,

@@ -55,9 +55,12 @@ struct DraftContext {
 void extend_draft_context(const Drafter& drafter, DraftContext& context, const float* tapped_rows, int count);
 // The same for several contexts in one pass: context i gets counts[i] rows
 // from tapped_rows[i] [counts[i], m * H]. Each row's keys and values are the
-// bits extend_draft_context gives it alone.
+// bits extend_draft_context gives it alone. Scratch comes from `work` (a
+// draft source's own, so a round allocates nothing).
+struct DraftWorkspace;
 void extend_draft_contexts(const Drafter& drafter, std::span<DraftContext* const> contexts,
-                           std::span<const float* const> tapped_rows, std::span<const int> counts);
+                           std::span<const float* const> tapped_rows, std::span<const int> counts,
+                           DraftWorkspace& work);
 
 struct DraftOptions {
   cpu::SamplingParams sampling;       // greedy at temperature 0
@@ -85,7 +88,7 @@ struct DraftResult {
 // Activations reused across calls.
 struct DraftWorkspace {
   std::vector<float> block, normed, q, k, v, attention, projected, gate, up, keys, values, scores, hidden,
-      head_input, base_logits, probs;
+      head_input, base_logits, probs, context_rows;
   std::vector<int32_t> order;
 };
 

@@ -18,9 +18,15 @@ void DSparkSource::propose(std::span<const int> rows, std::span<const int32_t> p
                            const cpu::SamplingParams& sampling, std::vector<Proposal>& proposals) {
   proposals.assign(rows.size(), Proposal{});
   // Rows that may draft at all go in one batch; the backbone drafts gamma for
-  // each, and a row's own limit cuts its head short.
+  // each, and a row's own limit cuts its head short. Their staged context
+  // rows are projected first, together.
+  const size_t width = drafter_.config.tap_layers.size() * size_t(drafter_.dims.hidden_size);
   std::vector<DraftRequest> requests;
   std::vector<size_t> slots;
+  std::vector<RowState*> staged;
+  std::vector<DraftContext*> contexts;
+  std::vector<const float*> staged_rows;
+  std::vector<int> counts;
   int longest = 0;
   for (size_t i = 0; i < rows.size(); ++i) {
     if (max_tokens[i] <= 0) continue;
@@ -28,22 +34,15 @@ void DSparkSource::propose(std::span<const int> rows, std::span<const int32_t> p
     requests.push_back({&state.context, pending[i], &state.rng});
     slots.push_back(i);
     longest = std::max(longest, max_tokens[i]);
-  }
-  if (requests.empty()) return;
-  // The staged rows of the rows drafting now, projected together.
-  const size_t width = drafter_.config.tap_layers.size() * size_t(drafter_.dims.hidden_size);
-  std::vector<DraftContext*> contexts;
-  std::vector<const float*> staged_rows;
-  std::vector<int> counts;
-  for (size_t slot : slots) {
-    RowState& state = rows_.at(rows[slot]);
     if (state.staged.empty()) continue;
+    staged.push_back(&state);
     contexts.push_back(&state.context);
     staged_rows.push_back(state.staged.data());
     counts.push_back(static_cast<int>(state.staged.size() / width));
   }
-  extend_draft_contexts(drafter_, contexts, staged_rows, counts);
-  for (size_t slot : slots) rows_.at(rows[slot]).staged.clear();
+  if (requests.empty()) return;
+  extend_draft_contexts(drafter_, contexts, staged_rows, counts, workspace_);
+  for (RowState* state : staged) state->staged.clear();
   DraftOptions options;
   options.sampling = sampling;
   options.min_confidence = min_confidence_;
