@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "spec/dspark_source.h"
+
 namespace dspark {
 
 void CudaDSparkSource::begin(int row, std::span<const int32_t>, uint64_t seed) {
@@ -47,15 +49,7 @@ void CudaDSparkSource::propose(std::span<const int> rows, std::span<const int32_
   options.calibrated_thresholds = calibrated_thresholds_;
   options.max_tokens = longest;
   drafter_.draft(requests, options, results_);
-  const int V = drafter_.dims().vocab_size;
-  for (size_t j = 0; j < slots.size(); ++j) {
-    Proposal& proposal = proposals[slots[j]];
-    DraftResult& result = results_[j];
-    const size_t keep = std::min(result.tokens.size(), size_t(max_tokens[slots[j]]));
-    proposal.tokens.assign(result.tokens.begin(), result.tokens.begin() + keep);
-    proposal.confidence.assign(result.confidence.begin(), result.confidence.begin() + keep);
-    if (!sampling.greedy()) proposal.probs.assign(result.probs.begin(), result.probs.begin() + keep * V);
-  }
+  fill_proposals(results_, slots, max_tokens, drafter_.dims().vocab_size, proposals);
 }
 
 }  // namespace dspark

@@ -292,7 +292,9 @@ void draft(const Drafter& drafter, const TargetHead& head, std::span<const Draft
       if (options.sampling.greedy()) {
         token = cpu::argmax(logits.data(), V);
       } else {
-        float* probs = grow(work.probs, size_t(V));
+        const size_t at = result.probs.size();
+        result.probs.resize(at + V);  // kept: the proposal's q
+        float* probs = result.probs.data() + at;
         cpu::processed_distribution(probs, logits.data(), V, options.sampling, work.order);
         token = cpu::sample_from_distribution(probs, V, requests[b].rng->uniform());
       }

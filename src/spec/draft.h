@@ -81,14 +81,14 @@ struct DraftResult {
   std::vector<int32_t> tokens;    // n >= 1 drafted tokens
   std::vector<float> confidence;  // [n] c_k
   std::vector<float> logits;      // [n, V] L_k, when collected
-  std::vector<float> probs;       // [n, V] the processed distributions the tokens were drawn from, when the
-                                  // GPU drafter samples (spec/cuda_drafter.h); the CPU drafter leaves it empty
+  std::vector<float> probs;       // [n, V] the processed distributions the tokens were drawn from, when
+                                  // sampling (empty at temperature 0)
 };
 
 // Activations reused across calls.
 struct DraftWorkspace {
   std::vector<float> block, normed, q, k, v, attention, projected, gate, up, keys, values, scores, hidden,
-      head_input, base_logits, probs, context_rows;
+      head_input, base_logits, context_rows;
   std::vector<int32_t> order;
 };
 

@@ -4,6 +4,18 @@
 
 namespace dspark {
 
+void fill_proposals(std::span<const DraftResult> results, std::span<const size_t> slots,
+                    std::span<const int> max_tokens, int vocab, std::vector<Proposal>& proposals) {
+  for (size_t j = 0; j < slots.size(); ++j) {
+    Proposal& proposal = proposals[slots[j]];
+    const DraftResult& result = results[j];
+    const size_t keep = std::min(result.tokens.size(), size_t(max_tokens[slots[j]]));
+    proposal.tokens.assign(result.tokens.begin(), result.tokens.begin() + keep);
+    proposal.confidence.assign(result.confidence.begin(), result.confidence.begin() + keep);
+    if (!result.probs.empty()) proposal.probs.assign(result.probs.begin(), result.probs.begin() + keep * vocab);
+  }
+}
+
 void DSparkSource::begin(int row, std::span<const int32_t>, uint64_t seed) {
   rows_.insert_or_assign(row, RowState{DraftContext{}, Rng(seed), {}});
 }
@@ -48,21 +60,8 @@ void DSparkSource::propose(std::span<const int> rows, std::span<const int32_t> p
   options.min_confidence = min_confidence_;
   options.calibrated_thresholds = calibrated_thresholds_;
   options.max_tokens = longest;
-  options.collect_logits = !sampling.greedy();
   draft(drafter_, head_, requests, options, workspace_, results_);
-  const int V = drafter_.dims.vocab_size;
-  std::vector<int32_t> order;
-  for (size_t j = 0; j < slots.size(); ++j) {
-    Proposal& proposal = proposals[slots[j]];
-    DraftResult& result = results_[j];
-    const size_t keep = std::min(result.tokens.size(), size_t(max_tokens[slots[j]]));
-    proposal.tokens.assign(result.tokens.begin(), result.tokens.begin() + keep);
-    proposal.confidence.assign(result.confidence.begin(), result.confidence.begin() + keep);
-    if (sampling.greedy()) continue;
-    proposal.probs.resize(keep * V);  // q: the same processing the target's p gets
-    for (size_t k = 0; k < keep; ++k)
-      cpu::processed_distribution(proposal.probs.data() + k * V, result.logits.data() + k * V, V, sampling, order);
-  }
+  fill_proposals(results_, slots, max_tokens, drafter_.dims.vocab_size, proposals);
 }
 
 }  // namespace dspark

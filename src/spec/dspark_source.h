@@ -12,6 +12,12 @@
 
 namespace dspark {
 
+// proposals[slots[j]] = results[j] cut to max_tokens[slots[j]] positions: the
+// tokens, their confidences and, when sampling, the distributions q they were
+// drawn from. Both DSpark sources (CPU and GPU) end propose() with it.
+void fill_proposals(std::span<const DraftResult> results, std::span<const size_t> slots,
+                    std::span<const int> max_tokens, int vocab, std::vector<Proposal>& proposals);
+
 class DSparkSource final : public DraftSource {
  public:
   // `head` points into the target's weights, which must outlive the source.
