@@ -9,6 +9,7 @@
 #include "cli_runner.h"
 #include "core/file.h"
 #include "golden.h"
+#include "tiny_regen.h"
 #include "model/cpu_target.h"
 #include "model/target.h"
 #include "model/tokenizer.h"
@@ -29,32 +30,8 @@ const Transformer& golden_target() { return testing::golden_transformer("qwen3")
 
 TargetHead golden_head() { return target_head_of(golden_target()); }
 
-const char* const kPrompts[] = {
-    "def fibonacci(n):",          "The cat sat", "hello world, hello", "1 2 3 4 5", "import numpy as",
-    "Once upon a time there was", "x = [",       "for i in range("};
-
-// Eight sampled answers of 24 tokens, regenerated once for every test here.
-const std::filesystem::path& tiny_data() {
-  static TemporaryDirectory directory;
-  static const bool made = [] {
-    const Tokenizer tokenizer = Tokenizer::load(golden_model("qwen3"));
-    std::vector<PromptEntry> entries;
-    for (int i = 0; i < 8; ++i) entries.push_back({i + 1, kPrompts[i], {}});
-    const std::vector<RegenPrompt> prompts =
-        tokenize_regen_prompts(tokenizer, entries, false, golden_target().config, "prompts");
-    RegenOptions options;
-    options.tap_layers = {1, 3, 4};
-    options.max_new_tokens = 24;
-    options.sampling = {0.7f, 0, 1.0f};
-    options.seed = 5;
-    options.show_progress = false;
-    CpuTarget target(golden_target());
-    regenerate(target, "qwen3", prompts, options, directory.path);
-    return true;
-  }();
-  (void)made;
-  return directory.path;
-}
+using testing::tiny_regenerated_data;
+const std::filesystem::path& tiny_data() { return tiny_regenerated_data(); }
 
 const Dataset& tiny_dataset() {
   static const Dataset data(tiny_data());

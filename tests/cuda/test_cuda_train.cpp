@@ -27,6 +27,7 @@
 #include "device_test_util.h"
 #include "golden.h"
 #include "gradient_check.h"
+#include "tiny_regen.h"
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/matmul.h"
@@ -637,30 +638,8 @@ const Transformer& golden_target() {
   return target;
 }
 
-// Eight sampled answers of the golden qwen3 (as tests/test_trainer.cpp makes them).
-const std::filesystem::path& tiny_data() {
-  static TemporaryDirectory directory;
-  static const bool made = [] {
-    const char* const prompts[] = {"def fibonacci(n):", "The cat sat",   "hello world, hello", "1 2 3 4 5",
-                                   "import numpy as",   "Once upon a", "x = [",              "for i in range("};
-    const Tokenizer tokenizer = Tokenizer::load(golden_model("qwen3"));
-    std::vector<PromptEntry> entries;
-    for (int i = 0; i < 8; ++i) entries.push_back({i + 1, prompts[i], {}});
-    RegenOptions options;
-    options.tap_layers = {1, 3, 4};
-    options.max_new_tokens = 24;
-    options.sampling = {0.7f, 0, 1.0f};
-    options.seed = 5;
-    options.show_progress = false;
-    CpuTarget target(golden_target());
-    regenerate(target, "qwen3",
-               tokenize_regen_prompts(tokenizer, entries, false, golden_target().config, "prompts"), options,
-               directory.path);
-    return true;
-  }();
-  (void)made;
-  return directory.path;
-}
+// Eight sampled answers of the golden qwen3 (tests/tiny_regen.h).
+const std::filesystem::path& tiny_data() { return testing::tiny_regenerated_data(); }
 
 Drafter tiny_drafter(const std::string& head) {
   DrafterConfig config;
