@@ -7,11 +7,13 @@
 #include <algorithm>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "core/json.h"
 #include "core/safetensors.h"
 #include "golden.h"
+#include "gradient_check.h"
 #include "spec/draft.h"
 #include "spec/drafter.h"
 #include "train/loss.h"
@@ -81,6 +83,32 @@ inline TrainGolden load_train_golden(const std::string& seq_head) {
   golden.weights.bce = json_weights["bce"];
   golden.weights.gamma_decay = json_weights["gammaDecay"];
   return golden;
+}
+
+// A random batch for `drafter`: ragged contexts (lengths[a] rows, 0 and 1
+// allowed), the last masked[a] block positions of anchor a masked (the block
+// running off the end), targets drawn from [0, target_range) (a small range
+// repeats tokens: shared Markov rows), context rows and target rows uniform.
+inline TrainBatch random_train_batch(const Drafter& drafter, uint64_t seed, const std::vector<int>& lengths,
+                                     const std::vector<int>& masked, int target_range) {
+  const int gamma = drafter.config.gamma, H = drafter.dims.hidden_size, V = drafter.dims.vocab_size;
+  Rng rng(seed);
+  TrainBatch batch;
+  batch.gamma = gamma;
+  batch.hidden_size = H;
+  batch.tap_width = static_cast<int>(drafter.config.tap_layers.size()) * H;
+  batch.context_offsets = {0};
+  for (size_t a = 0; a < lengths.size(); ++a) {
+    batch.context_offsets.push_back(batch.context_offsets.back() + lengths[a]);
+    batch.anchors.push_back(static_cast<int32_t>(rng.next() % V));
+    for (int k = 0; k < gamma; ++k) {
+      batch.targets.push_back(static_cast<int32_t>(rng.next() % target_range));
+      batch.mask.push_back(k < gamma - masked[a] ? 1.0f : 0.0f);
+    }
+  }
+  batch.context_rows = random_values(rng, size_t(batch.context_offsets.back()) * batch.tap_width, 1.0f);
+  batch.target_hidden = random_values(rng, size_t(batch.size()) * gamma * H, 1.5f);
+  return batch;
 }
 
 }  // namespace dspark::testing

@@ -381,26 +381,11 @@ Drafter random_drafter(const std::string& head, const TargetDims& dims, int gamm
   return drafter;
 }
 
-// Ragged contexts (lengths as given), the last masked[a] positions of anchor a masked.
+// Ragged contexts (lengths as given), the last masked[a] positions of anchor a
+// masked, targets from V/8 tokens (repeats: shared Markov rows).
 TrainBatch random_batch(const Drafter& drafter, uint64_t seed, const std::vector<int>& lengths,
                         const std::vector<int>& masked, bool bf16_values) {
-  const int gamma = drafter.config.gamma, H = drafter.dims.hidden_size, V = drafter.dims.vocab_size;
-  Rng rng(seed);
-  TrainBatch batch;
-  batch.gamma = gamma;
-  batch.hidden_size = H;
-  batch.tap_width = static_cast<int>(drafter.config.tap_layers.size()) * H;
-  batch.context_offsets = {0};
-  for (size_t a = 0; a < lengths.size(); ++a) {
-    batch.context_offsets.push_back(batch.context_offsets.back() + lengths[a]);
-    batch.anchors.push_back(static_cast<int32_t>(rng.next() % V));
-    for (int k = 0; k < gamma; ++k) {
-      batch.targets.push_back(static_cast<int32_t>(rng.next() % (V / 8)));  // repeats: shared Markov rows
-      batch.mask.push_back(k < gamma - masked[a] ? 1.0f : 0.0f);
-    }
-  }
-  batch.context_rows = testing::random_values(rng, size_t(batch.context_offsets.back()) * batch.tap_width, 1.0f);
-  batch.target_hidden = testing::random_values(rng, size_t(batch.size()) * gamma * H, 1.5f);
+  TrainBatch batch = testing::random_train_batch(drafter, seed, lengths, masked, drafter.dims.vocab_size / 8);
   if (bf16_values) batch.context_rows = bf16_rounded(batch.context_rows);
   return batch;
 }
