@@ -15,6 +15,7 @@
 
 #include "core/random.h"
 #include "gradient_check.h"
+#include "isa_test.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/parallel.h"
@@ -110,22 +111,7 @@ void expect_matches_reference(const Case& c, const std::vector<float>& result, c
     }
 }
 
-// Restores the instruction set and thread count the process started with.
-class AttentionTest : public ::testing::Test {
- protected:
-  void TearDown() override {
-    cpu::set_matmul_isa(initial_isa_);
-    cpu::set_parallel_threads(initial_threads_);
-  }
-  std::vector<MatmulIsa> supported() const {
-    std::vector<MatmulIsa> isas;
-    for (MatmulIsa isa : {MatmulIsa::Baseline, MatmulIsa::Avx2, MatmulIsa::Avx512})
-      if (cpu::matmul_isa_supported(isa)) isas.push_back(isa);
-    return isas;
-  }
-  MatmulIsa initial_isa_ = cpu::matmul_isa();
-  int initial_threads_ = cpu::parallel_threads();
-};
+using AttentionTest = testing::IsaTest;  // restores the instruction set and thread count
 
 // The demo target's shape (6 query heads on 2 KV heads of 64), multi-head
 // without grouping, head_dims that only narrower vectors (or none) divide,

@@ -12,6 +12,7 @@
 
 #include "core/random.h"
 #include "gradient_check.h"
+#include "isa_test.h"
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/rmsnorm.h"
@@ -31,17 +32,7 @@ int32_t scalar_argmax(const std::vector<float>& logits) {
   return best;
 }
 
-class ElementwiseTest : public ::testing::Test {
- protected:
-  void TearDown() override { cpu::set_matmul_isa(initial_); }
-  std::vector<MatmulIsa> supported() const {
-    std::vector<MatmulIsa> isas;
-    for (MatmulIsa isa : {MatmulIsa::Baseline, MatmulIsa::Avx2, MatmulIsa::Avx512})
-      if (cpu::matmul_isa_supported(isa)) isas.push_back(isa);
-    return isas;
-  }
-  MatmulIsa initial_ = cpu::matmul_isa();
-};
+using ElementwiseTest = testing::IsaTest;  // restores the instruction set and thread count
 
 TEST_F(ElementwiseTest, ArgmaxIsTheScalarLoopsAnswer) {
   Rng rng(31);

@@ -13,6 +13,7 @@
 
 #include "core/random.h"
 #include "gradient_check.h"
+#include "isa_test.h"
 #include "kernels/cpu/matmul.h"
 
 namespace dspark {
@@ -82,18 +83,7 @@ void dispatch_in_out(float* out, const Case& c) {
   cpu::matmul_in_out_forward(out, c.x.data(), c.weight.data(), c.rows, c.in, c.out);
 }
 
-// Restores the instruction set the process started with, whatever a test picked.
-class MatmulTest : public ::testing::Test {
- protected:
-  void TearDown() override { cpu::set_matmul_isa(initial_); }
-  std::vector<MatmulIsa> supported() const {
-    std::vector<MatmulIsa> isas;
-    for (MatmulIsa isa : {MatmulIsa::Baseline, MatmulIsa::Avx2, MatmulIsa::Avx512})
-      if (cpu::matmul_isa_supported(isa)) isas.push_back(isa);
-    return isas;
-  }
-  MatmulIsa initial_ = cpu::matmul_isa();
-};
+using MatmulTest = testing::IsaTest;  // restores the instruction set and thread count
 
 // in/out: below, at and just past the vector widths (4, 8, 16) and tile sizes;
 // 389 x 203 is large enough to be split over the pool's threads.
