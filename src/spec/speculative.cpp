@@ -115,7 +115,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   std::vector<int> active, limits, verify_counts;
   std::vector<long> proposed_counts;
   std::vector<int32_t> pending;
-  std::vector<Proposal> proposals, probe;
+  std::vector<Proposal> proposals;
   std::vector<std::vector<int32_t>> blocks;
   std::vector<float> target_probs;
   std::vector<int32_t> order;
@@ -138,20 +138,16 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       limits.push_back(std::max(0, std::min({options.gamma, remaining - 1, config.max_positions - length - 1})));
     }
     if (active.empty()) break;
-    // An undrafted round (the scheduler judged drafting not to pay) is a
-    // plain decoding step: each row verifies its pending token alone.
+    // The scheduler may leave rows undrafted (drafting would not pay): the
+    // first `drafting` rows draft, the others take a plain decoding step, their
+    // pending token verified alone.
     const size_t drafting =
         options.scheduler ? size_t(options.scheduler->rows_to_draft(int(active.size()))) : active.size();
-    if (drafting == active.size()) {
-      source.propose(active, pending, limits, options.sampling, proposals);
-    } else {  // the first `drafting` rows draft (a probe), the others take a plain step
-      proposals.assign(active.size(), Proposal{});
-      if (drafting > 0) {
-        source.propose(std::span(active).first(drafting), std::span(pending).first(drafting),
-                       std::span(limits).first(drafting), options.sampling, probe);
-        std::move(probe.begin(), probe.end(), proposals.begin());
-      }
-    }
+    proposals.clear();
+    if (drafting > 0)
+      source.propose(std::span(active).first(drafting), std::span(pending).first(drafting),
+                     std::span(limits).first(drafting), options.sampling, proposals);
+    proposals.resize(active.size());
     proposed_counts.clear();
     for (size_t i = 0; i < active.size(); ++i) {
       Proposal& proposal = proposals[i];
@@ -175,9 +171,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     // in law, as never drawing it: the draft stream is separate from the
     // acceptance stream, so nothing downstream sees the discarded draws.
     // Greedy output is the target's argmax whatever prefix is verified.
-    const bool drafted = std::any_of(proposals.begin(), proposals.end(),
-                                     [](const Proposal& proposal) { return !proposal.tokens.empty(); });
-    if (options.scheduler && drafted) {
+    if (options.scheduler && drafting > 0) {
       options.scheduler->schedule(proposals, verify_counts);
       for (size_t i = 0; i < active.size(); ++i) {
         Proposal& proposal = proposals[i];
