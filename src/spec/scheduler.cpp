@@ -445,7 +445,7 @@ std::vector<int> prefix_schedule(std::span<const std::vector<float>> confidences
 }
 
 int PrefixScheduler::rows_to_draft(int rows) {
-  if (!draft_cost_ || !closed_) return rows;
+  if (!draft_cost_ || gain_ >= 1.0) return rows;
   if (undrafted_left_ > 0) {
     --undrafted_left_;
     return 0;
@@ -482,10 +482,8 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   gain_ = measured_ ? 0.5 * gain_ + 0.5 * gain : gain;
   measured_ = true;
   if (gain_ >= 1.0) {
-    closed_ = false;
     backoff_ = 1;
   } else {  // plain rounds for a while, then one row drafts again to look
-    closed_ = true;
     undrafted_left_ = backoff_;
     backoff_ = std::min(2 * backoff_, kMaxUndraftedRounds);
   }

@@ -165,9 +165,9 @@ class PrefixScheduler final : public VerifyScheduler {
   SpsProfile sps_;
   std::optional<DraftCostProfile> draft_cost_;
   std::vector<std::vector<float>> confidences_;
-  double gain_ = 1.0;       // smoothed predicted speculative / plain tokens per second
+  double gain_ = 1.0;       // smoothed predicted speculative / plain tokens per second (< 1: plain
+                            // rounds and probes)
   bool measured_ = false;   // gain_ holds a measurement
-  bool closed_ = false;     // drafting does not pay: plain rounds and probes
   int undrafted_left_ = 0;  // plain rounds still to run before the next probe
   int backoff_ = 1;         // plain rounds after the next round that does not pay
 };
