@@ -23,13 +23,18 @@ inline float bf16_to_f32(uint16_t bits) {
   return value;
 }
 
+// Branch-free (NaN stays NaN by a select, not an early return), so that loops
+// over it vectorise.
 inline uint16_t f32_to_bf16(float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (bits >> 16) | 0x40u;
+  return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
+
+// destination[i] = f32_to_bf16(source[i]) for `count` values, vectorised.
+void convert_to_bf16(const float* source, uint16_t* destination, size_t count);
 
 float f16_to_f32(uint16_t bits);
 uint16_t f32_to_f16(float value);

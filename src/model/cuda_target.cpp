@@ -73,7 +73,7 @@ void upload_bf16(bf16* destination, const SafetensorsCheckpoint& checkpoint, con
   }
   const Tensor values = checkpoint.load(name, shape);
   std::vector<uint16_t> bits(count);
-  for (size_t i = 0; i < count; ++i) bits[i] = f32_to_bf16(values.data[i]);
+  convert_to_bf16(values.data, bits.data(), count);
   CUDA_CHECK(cudaMemcpy(destination, bits.data(), count * 2, cudaMemcpyHostToDevice));
 }
 

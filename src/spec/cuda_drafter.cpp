@@ -37,30 +37,10 @@ DeviceBuffer<float> upload_f32(const float* values, size_t count) {
 
 DeviceBuffer<bf16> upload_bf16(const float* values, size_t count) {
   std::vector<uint16_t> bits(count);
-  for (size_t i = 0; i < count; ++i) bits[i] = f32_to_bf16(values[i]);
+  convert_to_bf16(values, bits.data(), count);
   DeviceBuffer<bf16> buffer(count);
   if (count) CUDA_CHECK(cudaMemcpy(buffer.data(), bits.data(), count * 2, cudaMemcpyHostToDevice));
   return buffer;
-}
-
-// f32 -> bf16 bits as core/dtype.h's f32_to_bf16, branch-free (NaN by a
-// select, not an early return) and in blocks of a fixed 16 values, so that the
-// loop vectorises at -O2 (GCC's cheap cost model takes only loops with no
-// remainder to peel).
-inline uint16_t bf16_bits(float value) {
-  uint32_t word;
-  std::memcpy(&word, &value, 4);
-  const uint32_t rounded = (word + 0x7fffu + ((word >> 16) & 1u)) >> 16;
-  const uint32_t quiet_nan = (word >> 16) | 0x40u;
-  return static_cast<uint16_t>((word & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
-}
-
-void convert_to_bf16_bits(const float* __restrict values, uint16_t* __restrict bits, size_t count) {
-  constexpr size_t kBlock = 16;
-  size_t i = 0;
-  for (; i + kBlock <= count; i += kBlock)
-    for (size_t j = 0; j < kBlock; ++j) bits[i + j] = bf16_bits(values[i + j]);
-  for (; i < count; ++i) bits[i] = bf16_bits(values[i]);
 }
 
 // Matrices stored [in, out] (the drafter's layout), transposed to [out, in]
@@ -244,7 +224,7 @@ void CudaDrafter::extend_context(int id, const float* tapped_rows, int count) {
   Context& c = context(id);
   const size_t first = c.staged.size(), values = size_t(count) * width_;
   c.staged.resize(first + values);
-  convert_to_bf16_bits(tapped_rows, c.staged.data() + first, values);
+  convert_to_bf16(tapped_rows, c.staged.data() + first, values);
   c.staged_sources.insert(c.staged_sources.end(), count, kHostRow);
 }
 

@@ -144,9 +144,8 @@ void pack_train_batch(const TrainBatch& batch, PackedBatch& packed, unsigned cha
   } else if (layout.context_bf16) {
     const float* in = batch.context_rows.data();
     uint16_t* out = reinterpret_cast<uint16_t*>(host + layout.context);
-    parallel_slices(values, kSerialBelow, [&](long begin, long end) {
-      for (long i = begin; i < end; ++i) out[i] = f32_to_bf16(in[i]);
-    });
+    parallel_slices(values, kSerialBelow,
+                    [&](long begin, long end) { convert_to_bf16(in + begin, out + begin, end - begin); });
   } else {
     const float* in = batch.context_rows.data();
     float* out = reinterpret_cast<float*>(host + layout.context);

@@ -34,7 +34,7 @@ T* ensure(DeviceBuffer<T>& buffer, size_t count) {
 
 std::vector<uint16_t> to_bf16_bits(const float* values, size_t count) {
   std::vector<uint16_t> bits(count);
-  for (size_t i = 0; i < count; ++i) bits[i] = f32_to_bf16(values[i]);
+  convert_to_bf16(values, bits.data(), count);
   return bits;
 }
 

@@ -187,7 +187,7 @@ RegenSummary regenerate(Target& target, const std::string& target_id, std::span<
         for (const TargetInput& input : inputs) target.release_sequence(input.sequence);
         const size_t row_start = shard_rows.size();
         shard_rows.resize(row_start + tapped.taps.size());
-        for (size_t i = 0; i < tapped.taps.size(); ++i) shard_rows[row_start + i] = f32_to_bf16(tapped.taps[i]);
+        convert_to_bf16(tapped.taps.data(), shard_rows.data() + row_start, tapped.taps.size());
         for (size_t i = first; i < last; ++i) {
           const RegenPrompt& prompt = prompts[next + i];
           records.push_back({shard, static_cast<long>(shard_ids.size()), static_cast<int>(prompt.tokens.size()),
