@@ -294,6 +294,14 @@ void run_bench_spec(const BenchSpecFlags& flags) {
     points.push_back(std::move(point));
   }
 
+  // Where a round of the whole batch spends its time, on the host's clock.
+  auto round_phases = [](const SpeculativeTiming& timing) {
+    const double rounds = std::max<long>(timing.rounds, 1);
+    return Json{{"draft", 1e3 * timing.draft_seconds / rounds},
+                {"verify", 1e3 * timing.verify_seconds / rounds},
+                {"accept", 1e3 * timing.accept_seconds / rounds},
+                {"total", 1e3 * timing.decode_seconds / rounds}};
+  };
   auto mode_json = [&](const Point& point, const TimedDecoding& mode) {
     const SpeculativeStats& stats = mode.stats;
     return Json{{"tokens_per_s", mode.tokens_per_s()},
@@ -303,6 +311,8 @@ void run_bench_spec(const BenchSpecFlags& flags) {
                 {"verified_per_round", stats.rounds ? double(stats.drafted) / stats.rounds : 0.0},
                 {"undrafted_rounds", stats.undrafted},
                 {"rounds", stats.rounds},
+                {"batch_rounds", mode.timing.rounds},
+                {"ms_per_batch_round", round_phases(mode.timing)},
                 {"acceptance_by_position", stats.acceptance_by_position()},
                 {"outputs_matched", mode.matched},
                 {"all_outputs_match", mode.matched == long(point.requests)}};

@@ -26,6 +26,7 @@ void timed_speculative_decoding(Target& target, DraftSource& source, std::span<c
   std::vector<SpeculativeResult> results = speculative_generate(target, source, prompts, options, &timing);
   if (!record) return;
   record->seconds += timing.prefill_seconds + timing.decode_seconds;
+  record->timing.add(timing);
   for (size_t i = 0; i < results.size(); ++i) {
     SpeculativeResult& result = results[i];
     record->tokens += long(result.tokens.size());

@@ -245,49 +245,83 @@ DraftCostProfile measure_draft_cost(Target& target, DraftSource& source, int gam
                                     int runs) {
   const ModelConfig& config = target.config();
   DSPARK_CHECK(gamma >= 1 && max_rows >= 1 && runs >= 1, "draft cost profile: gamma, rows and runs must be positive");
-  context = std::min(context, config.max_positions - gamma - 1);
+  std::vector<int> points;
+  for (int R = 1; R < max_rows; R *= 2) points.push_back(R);
+  points.push_back(max_rows);
+  // Each timed run is a round's worth of drafting work: the rows a round
+  // accepts (kRoundRows per row, about what a trained drafter's rounds keep)
+  // enter the source's context, then the source drafts. Row r takes part in
+  // every point with R > r, so it grows by at most this much.
+  constexpr int kRoundRows = 3;
+  const int growth = int(points.size()) * (2 + runs) * kRoundRows;
+  context = std::min(context, config.max_positions - growth - gamma - 1);
   DSPARK_CHECK(context >= 2, "draft cost profile: the model's context of ", config.max_positions,
-               " leaves no room for a draft of ", gamma);
+               " leaves no room for ", growth, " rounds' tokens and a draft of ", gamma);
   const std::vector<int> taps = source.tap_layers();
   const size_t tap_width = taps.size() * size_t(config.hidden_size);
+  const bool taps_on_device = !taps.empty() && source.accepts_device_taps();
   Rng rng(20240602);
-  std::vector<std::vector<int32_t>> prompts(max_rows, std::vector<int32_t>(context));
+  auto random_tokens = [&](int count) {
+    std::vector<int32_t> tokens(count);
+    for (int32_t& token : tokens) token = int32_t(rng.next() % uint64_t(config.vocab_size));
+    return tokens;
+  };
+  std::vector<std::vector<int32_t>> prompts(max_rows);
   std::vector<int> ids;
   for (int r = 0; r < max_rows; ++r) {
-    for (int32_t& token : prompts[r]) token = int32_t(rng.next() % uint64_t(config.vocab_size));
-    ids.push_back(target.create_sequence(context + gamma + 1));
+    prompts[r] = random_tokens(context);
+    ids.push_back(target.create_sequence(context + growth + gamma + 1));
     source.begin(r, prompts[r], rng.next());
   }
+  TargetResult result;
+  // The source takes rows [first_row, first_row + tokens) of the last forward's taps.
+  auto accept = [&](int row, std::span<const int32_t> tokens, size_t first_row) {
+    if (taps.empty())
+      source.accept(row, tokens, nullptr);
+    else if (result.device_taps)
+      source.accept_device(row, tokens, result.device_taps + first_row * tap_width);
+    else
+      source.accept(row, tokens, result.taps.data() + first_row * tap_width);
+  };
   // As speculative decoding starts: every prompt token but the last enters
   // the cache and the source's context, with its tapped rows.
-  TargetRequest prefill;
-  prefill.taps = taps;
-  TargetResult result;
+  TargetRequest request;
+  request.taps = taps;
+  request.taps_on_device = taps_on_device;
   std::vector<TargetInput> inputs;
   for (int first = 0; first < max_rows; first += 8) {
     const int last = std::min(max_rows, first + 8);
     inputs.clear();
     for (int r = first; r < last; ++r) inputs.push_back({ids[r], std::span(prompts[r]).first(context - 1), false});
-    target.forward(inputs, prefill, result);
+    target.forward(inputs, request, result);
     for (int r = first; r < last; ++r)
-      source.accept(r, std::span(prompts[r]).first(context - 1),
-                    taps.empty() ? nullptr : result.taps.data() + size_t(r - first) * (context - 1) * tap_width);
+      accept(r, std::span(prompts[r]).first(context - 1), size_t(r - first) * (context - 1));
     source.finish_accepts();
   }
-  std::vector<int> points;
-  for (int R = 1; R < max_rows; R *= 2) points.push_back(R);
-  points.push_back(max_rows);
   DraftCostProfile profile;
   std::vector<Proposal> proposals;
+  std::vector<std::vector<int32_t>> blocks(max_rows);
   Progress progress("draft cost profile", long(points.size()), "points");
   for (size_t p = 0; p < points.size(); ++p) {
     const int R = points[p];
     std::vector<int> rows(R), limits(R, gamma);
     std::vector<int32_t> pending(R);
-    for (int r = 0; r < R; ++r) rows[r] = r, pending[r] = prompts[r].back();
+    for (int r = 0; r < R; ++r) rows[r] = r;
     std::vector<double> seconds;
     for (int run = 0; run < 2 + runs; ++run) {  // 2 warm-ups (CUDA graph capture)
+      // A verify forward (untimed: the round profile has it) of R rows.
+      inputs.clear();
+      for (int r = 0; r < R; ++r) {
+        blocks[r] = random_tokens(kRoundRows);
+        inputs.push_back({ids[r], blocks[r], false});
+      }
+      target.forward(inputs, request, result);
       const auto start = std::chrono::steady_clock::now();
+      for (int r = 0; r < R; ++r) {
+        accept(r, blocks[r], size_t(r) * kRoundRows);
+        pending[r] = blocks[r].back();
+      }
+      source.finish_accepts();
       source.propose(rows, pending, limits, cpu::SamplingParams{}, proposals);
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (run >= 2) seconds.push_back(elapsed);
@@ -387,7 +421,7 @@ SpsProfile cached_sps_profile(Target& target, const std::string& model_key, cons
 DraftCostProfile cached_draft_cost(Target& target, DraftSource& source, const std::string& draft_key, int gamma,
                                    int max_rows, const std::filesystem::path& cache_file, bool remeasure) {
   const std::string key =
-      target.device_description() + " | draft " + draft_key + " | gamma " + std::to_string(gamma) + " | D(R)";
+      target.device_description() + " | draft " + draft_key + " | gamma " + std::to_string(gamma) + " | D(R), context extension included";
   if (!remeasure) {
     std::optional<DraftCostProfile> cached = cached_profile<DraftCostProfile>(
         cache_file, key, DraftCostProfile::from_json,

@@ -73,7 +73,8 @@ struct SpsProfile {
   static SpsProfile from_json(const Json& json, const std::string& where);
 };
 
-// D(R): seconds of one draft (DraftSource::propose) for R rows, γ positions each.
+// D(R): seconds a round of R rows spends drafting γ positions each, the
+// drafter's context extension by the previous round's rows included.
 struct DraftCostProfile {
   std::vector<int> rows;        // R of each measurement, ascending, rows[0] = 1
   std::vector<double> seconds;  // [points] one propose() for R rows
@@ -117,9 +118,12 @@ SpsProfile cached_sps_profile(Target& target, const std::string& model_key, cons
                               const std::filesystem::path& cache_file, bool remeasure = false,
                               bool* measured = nullptr);
 
-// Times DraftSource::propose for R = 1, 2, 4, ... max_rows rows of `gamma`
-// positions each (greedy, every position drafted), each row over a random
-// context of `context` tokens that `target` prefilled with the source's taps.
+// Times what drafting adds to a round of R = 1, 2, 4, ... max_rows rows,
+// beside its verify forward: the round's accepted rows entering the source's
+// context (3 per row, with their taps: the drafter projects them before it
+// drafts) and DraftSource::propose of `gamma` positions each (greedy, every
+// position drafted). Each row starts from a random context of `context`
+// tokens that `target` prefilled with the source's taps.
 DraftCostProfile measure_draft_cost(Target& target, DraftSource& source, int gamma, int max_rows, int context = 64,
                                     int runs = 5);
 

@@ -32,6 +32,15 @@ void SpeculativeStats::add(const SpeculativeStats& other) {
   }
 }
 
+void SpeculativeTiming::add(const SpeculativeTiming& other) {
+  prefill_seconds += other.prefill_seconds;
+  decode_seconds += other.decode_seconds;
+  rounds += other.rounds;
+  draft_seconds += other.draft_seconds;
+  verify_seconds += other.verify_seconds;
+  accept_seconds += other.accept_seconds;
+}
+
 uint64_t stream_seed(uint64_t seed, int row, int purpose) {
   Rng mixer(seed ^ (0x9e3779b97f4a7c15ull * (uint64_t(row) * 2 + purpose + 1)));
   return mixer.next();
@@ -144,6 +153,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     const size_t drafting =
         options.scheduler ? size_t(options.scheduler->rows_to_draft(int(active.size()))) : active.size();
     proposals.clear();
+    const auto round_start = Clock::now();
     if (drafting > 0)
       source.propose(std::span(active).first(drafting), std::span(pending).first(drafting),
                      std::span(limits).first(drafting), options.sampling, proposals);
@@ -195,7 +205,9 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     verify.taps = taps;
     verify.taps_on_device = taps_on_device;
     verify.want_logits = !options.sampling.greedy();
+    const auto verify_start = Clock::now();
     target.forward(inputs, verify, step);
+    const auto verify_done = Clock::now();
 
     size_t row = 0;
     for (size_t i = 0; i < active.size(); ++i) {
@@ -251,6 +263,12 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
         target.release_sequence(requests[r].sequence);
         source.end(r);
       }
+    if (timing) {
+      ++timing->rounds;
+      timing->draft_seconds += std::chrono::duration<double>(verify_start - round_start).count();
+      timing->verify_seconds += std::chrono::duration<double>(verify_done - verify_start).count();
+      timing->accept_seconds += std::chrono::duration<double>(Clock::now() - verify_done).count();
+    }
   }
   for (size_t r = 0; r < requests.size(); ++r)
     if (requests[r].result.stop_reason == "context") {

@@ -58,6 +58,13 @@ struct SpeculativeResult {
 struct SpeculativeTiming {
   double prefill_seconds = 0.0;
   double decode_seconds = 0.0;
+  // Where the decode time went, on the host's clock (each phase ends when its
+  // results are on the host, so GPU work counts in the phase that waits for it).
+  long rounds = 0;              // rounds of the whole batch (a row's rounds are in its stats)
+  double draft_seconds = 0.0;   // propose (extending the drafter's context first) and the schedule
+  double verify_seconds = 0.0;  // the target's verify forwards
+  double accept_seconds = 0.0;  // verdicts, rollbacks, accepts and finish_accepts
+  void add(const SpeculativeTiming& other);
 };
 
 std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource& source,
