@@ -140,10 +140,11 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
   good[0].tokens = {1, 2}, good[0].confidence = {0.9f, 0.9f};  // τ* = 2.71 at B = 3
   poor[0].tokens = {1}, poor[0].confidence = {0.05f};          // τ* = 1.05 at B = 2
   std::vector<int> verify;
+  const std::vector<int> one = {64};  // rows_to_draft's argument: tokens each row may still emit
   // Cheap drafting (1 ms): 2.71 / 11 ms = 246 tokens/s, gain 2.46: every round drafts.
   PrefixScheduler cheap(flat, DraftCostProfile{{1}, {0.001}});
   for (int round = 0; round < 6; ++round) {
-    ASSERT_EQ(cheap.rows_to_draft(1), 1) << round;
+    ASSERT_EQ(cheap.rows_to_draft(one), 1) << round;
     cheap.schedule(good, verify);
     EXPECT_EQ(verify, std::vector<int>{2});
   }
@@ -152,7 +153,7 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
   PrefixScheduler dear(flat, DraftCostProfile{{1}, {0.1}});
   std::string pattern;
   for (int round = 0; round < 19; ++round) {
-    const bool draft = dear.rows_to_draft(1) == 1;
+    const bool draft = dear.rows_to_draft(one) == 1;
     pattern += draft ? 'D' : '.';
     if (draft) dear.schedule(good, verify);
   }
@@ -162,7 +163,7 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
   PrefixScheduler even(flat, DraftCostProfile{{1}, {0.01}});
   pattern.clear();
   for (int round = 0; round < 8; ++round) {
-    const bool draft = even.rows_to_draft(1) == 1;
+    const bool draft = even.rows_to_draft(one) == 1;
     pattern += draft ? 'D' : '.';
     if (draft) even.schedule(round == 0 ? poor : good, verify);
   }
@@ -175,7 +176,7 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
   probe[0] = good[0];
   std::vector<int> drafting;
   for (int round = 0; round < 6; ++round) {
-    drafting.push_back(batch.rows_to_draft(4));
+    drafting.push_back(batch.rows_to_draft(std::vector<int>(4, 64)));
     if (drafting.back() == 4) batch.schedule(four, verify);
     if (drafting.back() == 1) {
       batch.schedule(probe, verify);
@@ -187,9 +188,37 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
   // Without a draft cost profile the gate never closes (Alg 1 alone).
   PrefixScheduler alone(flat);
   for (int round = 0; round < 4; ++round) {
-    EXPECT_EQ(alone.rows_to_draft(1), 1);
+    EXPECT_EQ(alone.rows_to_draft(one), 1);
     alone.schedule(poor, verify);
   }
+}
+
+// A batch runs until its last row is done, so the gate's estimate follows
+// the row with the most rounds left (n_r / e_r), not the rows' mean: a poor
+// row with as much left as a good one holds the batch to its own 1.05
+// tokens a round; once it is nearly done, the good row sets the pace.
+TEST(PrefixScheduler, GainFollowsTheRowThatHoldsTheBatch) {
+  const SpsProfile flat = profile({1, 1000}, {100.0, 100.0});
+  Proposal good, poor;
+  good.tokens = {1, 2}, good.confidence = {0.9f, 0.9f};  // e = 1 + 0.9 + 0.81 = 2.71
+  poor.tokens = {1}, poor.confidence = {0.05f};          // e = 1.05
+  const std::vector<Proposal> round = {good, poor};
+  const double e_good = 1 + 0.9f + double(0.9f) * 0.9f, e_poor = 1 + double(0.05f);
+  const double seconds = 0.01 + 0.001;  // a flat 10 ms forward + D(2) = 2 x 0.5 ms past the last point
+  std::vector<int> verify;
+  PrefixScheduler even_lengths(flat, DraftCostProfile{{1}, {0.0005}});
+  ASSERT_EQ(even_lengths.rows_to_draft(std::vector<int>{64, 64}), 2);
+  even_lengths.schedule(round, verify);
+  EXPECT_EQ(verify, (std::vector<int>{2, 1}));
+  EXPECT_NEAR(even_lengths.gain(), 2 * e_poor / seconds / 200, 1e-6);
+  PrefixScheduler poor_nearly_done(flat, DraftCostProfile{{1}, {0.0005}});
+  ASSERT_EQ(poor_nearly_done.rows_to_draft(std::vector<int>{64, 2}), 2);
+  poor_nearly_done.schedule(round, verify);
+  EXPECT_NEAR(poor_nearly_done.gain(), 2 * e_good / seconds / 200, 1e-6);
+  // Without remaining lengths (schedule() alone) every row counts alike: the slowest sets the pace.
+  PrefixScheduler no_lengths(flat, DraftCostProfile{{1}, {0.0005}});
+  no_lengths.schedule(round, verify);
+  EXPECT_NEAR(no_lengths.gain(), 2 * e_poor / seconds / 200, 1e-6);
 }
 
 TEST(DraftCostProfile, MeasuredForTheSourceAndCachedBesideSps) {

@@ -649,6 +649,51 @@ TEST(SchedulerEarlyStop, TokenDependentAdmissionBiasesTheOutputAndAlg1DoesNot) {
   }
 }
 
+// Records what the engine tells a scheduler before each round.
+class RemainingRecorder final : public VerifyScheduler {
+ public:
+  int rows_to_draft(std::span<const int> remaining) override {
+    calls.emplace_back(remaining.begin(), remaining.end());
+    return static_cast<int>(remaining.size());
+  }
+  void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) override {
+    verify.clear();
+    for (const Proposal& proposal : proposals) verify.push_back(int(proposal.tokens.size()));
+  }
+  std::vector<std::vector<int>> calls;
+};
+
+// rows_to_draft hears, per active row in order, the tokens it may still emit:
+// max_new_tokens less what the row's earlier rounds emitted (from the trace).
+TEST(SpeculativeEngine, TellsTheSchedulerEachRowsRemainingLength) {
+  const Transformer model = tiny_target(7);
+  CpuTarget target(model);
+  NgramSource source;
+  const std::vector<std::vector<int32_t>> prompts = {{1, 4, 2, 1, 4, 2, 1, 4}, {3, 5}};
+  SpeculativeOptions options;
+  options.max_new_tokens = 12;
+  options.gamma = 3;
+  options.ignore_eos = true;
+  options.trace = true;
+  RemainingRecorder recorder;
+  options.scheduler = &recorder;
+  const auto results = speculative_generate(target, source, prompts, options);
+  std::vector<std::vector<int>> expected;  // per round, the rows still running
+  std::vector<int> emitted(prompts.size(), 0);
+  for (size_t round = 0;; ++round) {
+    std::vector<int> left;
+    for (size_t r = 0; r < prompts.size(); ++r)
+      if (round < results[r].trace.size()) {
+        left.push_back(options.max_new_tokens - emitted[r]);
+        emitted[r] += int(results[r].trace[round].emitted.size());
+      }
+    if (left.empty()) break;
+    expected.push_back(left);
+  }
+  EXPECT_EQ(recorder.calls, expected);
+  EXPECT_GT(expected.size(), 1u);
+}
+
 TEST(Acceptance, GreedyKeepsTheMatchingPrefix) {
   const std::vector<int32_t> target = {5, 6, 7, 8}, draft = {5, 6, 9};
   const Verdict verdict = accept_greedy(target, draft);

@@ -311,6 +311,7 @@ void run_bench_spec(const BenchSpecFlags& flags) {
                 {"verified_per_round", stats.rounds ? double(stats.drafted) / stats.rounds : 0.0},
                 {"undrafted_rounds", stats.undrafted},
                 {"rounds", stats.rounds},
+                {"prefill_ms", 1e3 * mode.prefill_seconds},
                 {"batch_rounds", mode.timing.rounds},
                 {"ms_per_batch_round", round_phases(mode.timing)},
                 {"acceptance_by_position", stats.acceptance_by_position()},
@@ -407,6 +408,10 @@ void run_bench_spec(const BenchSpecFlags& flags) {
     Json entry = {{"batch", point.batch},
                   {"requests", point.requests},
                   {"plain_tokens_per_s", point.plain.tokens_per_s()},
+                  {"plain_prefill_ms", 1e3 * point.plain.prefill_seconds},
+                  {"plain_steps", point.plain.steps},
+                  {"plain_ms_per_step", 1e3 * (point.plain.seconds - point.plain.prefill_seconds) /
+                                            std::max<long>(point.plain.steps, 1)},
                   {"schedules", Json::object()}};
     for (size_t m = 0; m < schedules.size(); ++m) entry["schedules"][schedules[m]] = mode_json(point, point.modes[m]);
     out["points"].push_back(entry);

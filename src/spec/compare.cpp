@@ -12,11 +12,15 @@ void timed_plain_decoding(Target& target, std::span<const std::vector<int32_t>> 
   std::vector<GenerateResult> results = generate_batch(target, prompts, options, on_token);
   if (!record || results.empty()) return;
   record->seconds += results[0].prefill_seconds + results[0].decode_seconds;  // one clock for the whole batch
+  record->prefill_seconds += results[0].prefill_seconds;
+  long longest = 0;
   for (GenerateResult& result : results) {
+    longest = std::max(longest, long(result.tokens.size()));
     record->tokens += long(result.tokens.size());
     record->outputs.push_back(std::move(result.tokens));
     record->stop_reasons.push_back(result.stop_reason);
   }
+  record->steps += longest;
 }
 
 void timed_speculative_decoding(Target& target, DraftSource& source, std::span<const std::vector<int32_t>> prompts,
@@ -26,6 +30,7 @@ void timed_speculative_decoding(Target& target, DraftSource& source, std::span<c
   std::vector<SpeculativeResult> results = speculative_generate(target, source, prompts, options, &timing);
   if (!record) return;
   record->seconds += timing.prefill_seconds + timing.decode_seconds;
+  record->prefill_seconds += timing.prefill_seconds;
   record->timing.add(timing);
   for (size_t i = 0; i < results.size(); ++i) {
     SpeculativeResult& result = results[i];

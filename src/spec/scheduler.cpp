@@ -197,9 +197,13 @@ SpsProfile measure_sps(Target& target, const SpsProfileOptions& options) {
     }
     profile.plain_rows.push_back(R);
     profile.plain_steps_per_second.push_back(1.0 / median_seconds(TargetRequest{}));
-    for (int k : profile.round_drafts) {  // rounds: R sequences of 1 + k tokens, with the taps
+    // Rounds: R sequences of 1 + k tokens, with the taps. Alg 1 cuts each
+    // row's draft apart, so a drafted round's rows verify different lengths:
+    // one row is one token short here, as in such a round (the CUDA target
+    // replays captured graphs only for steps whose sequences are alike).
+    for (int k : profile.round_drafts) {
       for (int s = 0; s < R; ++s) {
-        blocks[s] = random_tokens(1 + k);
+        blocks[s] = random_tokens(1 + k - (s == 0 && k > 0 && R > 1));
         inputs[s] = {ids[s], blocks[s], true};
       }
       profile.round_steps_per_second.push_back(1.0 / median_seconds(verify));
@@ -399,6 +403,7 @@ SpsProfile cached_sps_profile(Target& target, const std::string& model_key, cons
                     ", " + std::to_string(options.tokens_per_sequence) + " tokens per sequence, taps [";
   for (size_t i = 0; i < options.taps.size(); ++i) key += (i ? "," : "") + std::to_string(options.taps[i]);
   key += options.taps_on_device ? "] on the device" : "]";
+  key += ", ragged rounds";
   if (measured) *measured = false;
   if (!remeasure) {
     std::optional<SpsProfile> cached = cached_profile<SpsProfile>(
@@ -478,7 +483,9 @@ std::vector<int> prefix_schedule(std::span<const std::vector<float>> confidences
   return verify;
 }
 
-int PrefixScheduler::rows_to_draft(int rows) {
+int PrefixScheduler::rows_to_draft(std::span<const int> remaining) {
+  remaining_.assign(remaining.begin(), remaining.end());
+  const int rows = static_cast<int>(remaining.size());
   if (!draft_cost_ || gain_ >= 1.0) return rows;
   if (undrafted_left_ > 0) {
     --undrafted_left_;
@@ -496,20 +503,35 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
     confidences_[i].assign(scored ? proposal.confidence.begin() : proposal.confidence.end(), proposal.confidence.end());
     if (!scored) whole += int(proposal.tokens.size());
   }
-  double expected = 0.0;
   int tokens = 0;
-  verify = prefix_schedule(confidences_, sps_, whole, &expected, &tokens);
+  verify = prefix_schedule(confidences_, sps_, whole, nullptr, &tokens);
   for (size_t i = 0; i < proposals.size(); ++i)
     if (proposals[i].confidence.size() != proposals[i].tokens.size()) verify[i] = int(proposals[i].tokens.size());
   if (!draft_cost_) return;
-  // This round's prediction for a round where every row drafts, per drafting
-  // row (a probe round drafts one): tokens/s against plain decoding's,
-  // smoothed over the drafted rounds (one round's confidences are noisy).
+  // This round's prediction for a round where every row drafts, from the
+  // rows that drafted (a probe round drafts one): the batch's progress per
+  // round τ_b (see scheduler.h) over the round's time, against plain
+  // decoding's tokens/s, smoothed over the drafted rounds (one round's
+  // confidences are noisy). Without remaining lengths every row counts alike.
   const int R = static_cast<int>(proposals.size());
-  const int drafting = static_cast<int>(std::count_if(proposals.begin(), proposals.end(),
-                                                       [](const Proposal& p) { return !p.tokens.empty(); }));
+  const bool lengths = remaining_.size() == proposals.size();
+  double most_left = 0.0, most_rounds = 0.0;  // max_r n_r and max_r n_r / e_r
+  int drafting = 0;
+  for (int r = 0; r < R; ++r) {
+    if (proposals[r].tokens.empty()) continue;
+    ++drafting;
+    double row_expected = 1.0, survival = 1.0;  // e_r = 1 + Σ_{j < verify[r]} a_{r,j}
+    for (int j = 0; j < verify[r] && j < int(confidences_[r].size()); ++j) {
+      const double confidence = confidences_[r][j];
+      survival *= confidence > 0.0 ? std::min(confidence, 1.0) : 0.0;  // as prefix_schedule reads it
+      row_expected += survival;
+    }
+    const double left = lengths ? std::max(remaining_[r], 1) : 1.0;
+    most_left = std::max(most_left, left);
+    most_rounds = std::max(most_rounds, left / row_expected);
+  }
   if (drafting == 0) return;
-  const double expected_all = R + (expected - R) * R / drafting;
+  const double expected_all = R * most_left / most_rounds;
   const double tokens_all = R + double(tokens - R) * R / drafting;
   const double speculative = expected_all / (1.0 / sps_.round_at(R, (tokens_all - R) / R) + draft_cost_->at(R));
   const double gain = speculative / (R * sps_.plain_at(R));

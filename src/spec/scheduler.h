@@ -24,14 +24,25 @@
 // drafts gains (a fast target at a large batch), plain decoding steps are
 // faster. With a measured D(R), PrefixScheduler keeps a running estimate of
 // the gain of the rounds it scheduled, the predicted tokens per second
-// τ*/(1/SPS(B) + D(R)) of a round where all R rows draft over plain
+// R·τ_b/(1/SPS(B) + D(R)) of a round where all R rows draft over plain
 // decoding's measured R·P(R), and while it is below 1 leaves rounds
 // undrafted (plain steps: each row's pending token alone); after 1, 2, 4, ...
 // 32 of them one row drafts (a probe, scaled to R rows for the estimate: a
-// cheap look where drafting costs per row). The decisions read only earlier
-// rounds' confidences and the stored profiles, never a token of the round
-// they concern, so every output distribution (and, given the cached
-// profiles, every output) stays as it was.
+// cheap look where drafting costs per row).
+//
+// τ_b is the batch's progress per round, not its rows' mean: the rows of a
+// batch run until the last of them is done, so a batch drafting at expected
+// e_r tokens per round for row r (1 + the survival of its verified prefix)
+// with n_r tokens left needs max_r n_r / e_r rounds where plain decoding
+// needs max_r n_r steps: τ_b = max_r n_r / max_r (n_r / e_r), over the rows
+// that drafted. One slow row holds the whole batch (measured on the H200 at
+// batch 64: rounds emitting 2.7 tokens per row on average finished the batch
+// in 121 rounds where plain decoding took 192 steps, a τ_b of 1.6).
+//
+// The decisions read only earlier rounds' confidences, the rows' remaining
+// lengths and the stored profiles, never a token of the round they concern,
+// so every output distribution (and, given the cached profiles, every
+// output) stays as it was.
 #pragma once
 #include <filesystem>
 #include <optional>
@@ -55,9 +66,10 @@ struct SpsProfile {
   std::vector<int> plain_rows = {};                 // R of each measurement, ascending, or empty
   std::vector<double> plain_steps_per_second = {};  // [plain points]
   // Verify forwards as a round runs them: R sequences (plain_rows) of 1 + k
-  // tokens each (k in round_drafts), with the taps: what a round whose rows
-  // verify k drafts on average costs (SPS(B) alone cannot tell 64 rows with
-  // one draft each from 8 rows with 8).
+  // tokens each (k in round_drafts; for k > 0 one of them one token short, as
+  // Alg 1's rows differ), with the taps: what a round whose rows verify k
+  // drafts on average costs (SPS(B) alone cannot tell 64 rows with one draft
+  // each from 8 rows with 8).
   std::vector<int> round_drafts = {};                // k of each measurement, ascending from 0, or empty
   std::vector<double> round_steps_per_second = {};   // [plain points, round_drafts]
   // SPS at any B >= 1: the step time 1/SPS is interpolated linearly between
@@ -135,11 +147,11 @@ DraftCostProfile cached_draft_cost(Target& target, DraftSource& source, const st
 class VerifyScheduler {
  public:
   virtual ~VerifyScheduler() = default;
-  // Asked before each round of R rows: how many of them (the first ones)
-  // draft; the others take a plain decoding step (their pending token alone).
-  // With 0, schedule() is not called. Must not depend on anything drawn in
-  // that round.
-  virtual int rows_to_draft(int rows) { return rows; }
+  // Asked before each round of R rows, remaining[r] = the most tokens row r
+  // may still emit: how many of them (the first ones) draft; the others take
+  // a plain decoding step (their pending token alone). With 0, schedule() is
+  // not called. Must not depend on anything drawn in that round.
+  virtual int rows_to_draft(std::span<const int> remaining) { return static_cast<int>(remaining.size()); }
   // verify[i] = how many of proposals[i].tokens the round verifies (a prefix).
   // proposals[i].confidence is empty when the source has no confidences.
   virtual void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) = 0;
@@ -158,7 +170,7 @@ class PrefixScheduler final : public VerifyScheduler {
   // Without a draft cost profile every round drafts (Alg 1 alone).
   explicit PrefixScheduler(SpsProfile sps, std::optional<DraftCostProfile> draft_cost = std::nullopt)
       : sps_(std::move(sps)), draft_cost_(std::move(draft_cost)) {}
-  int rows_to_draft(int rows) override;
+  int rows_to_draft(std::span<const int> remaining) override;
   // Rows whose proposal has no confidences are verified whole (their tokens count in B).
   void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) override;
   const SpsProfile& sps() const { return sps_; }
@@ -169,6 +181,7 @@ class PrefixScheduler final : public VerifyScheduler {
   SpsProfile sps_;
   std::optional<DraftCostProfile> draft_cost_;
   std::vector<std::vector<float>> confidences_;
+  std::vector<int> remaining_;  // the round's rows_to_draft() argument
   double gain_ = 1.0;       // smoothed predicted speculative / plain tokens per second (< 1: plain
                             // rounds and probes)
   bool measured_ = false;   // gain_ holds a measurement

@@ -121,7 +121,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   }
   const auto prefill_done = Clock::now();
 
-  std::vector<int> active, limits, verify_counts;
+  std::vector<int> active, limits, remaining, verify_counts;
   std::vector<long> proposed_counts;
   std::vector<int32_t> pending;
   std::vector<Proposal> proposals;
@@ -131,6 +131,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   while (true) {
     active.clear();
     limits.clear();
+    remaining.clear();
     pending.clear();
     for (size_t r = 0; r < requests.size(); ++r) {
       Request& request = requests[r];
@@ -141,17 +142,19 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
         request.done = true;
         continue;
       }
-      const int remaining = options.max_new_tokens - int(request.result.tokens.size());
+      const int left = std::min(options.max_new_tokens - int(request.result.tokens.size()),
+                                config.max_positions - length);
       active.push_back(int(r));
       pending.push_back(request.pending);
-      limits.push_back(std::max(0, std::min({options.gamma, remaining - 1, config.max_positions - length - 1})));
+      remaining.push_back(left);
+      limits.push_back(std::max(0, std::min(options.gamma, left - 1)));
     }
     if (active.empty()) break;
     // The scheduler may leave rows undrafted (drafting would not pay): the
     // first `drafting` rows draft, the others take a plain decoding step, their
     // pending token verified alone.
     const size_t drafting =
-        options.scheduler ? size_t(options.scheduler->rows_to_draft(int(active.size()))) : active.size();
+        options.scheduler ? size_t(options.scheduler->rows_to_draft(remaining)) : active.size();
     proposals.clear();
     const auto round_start = Clock::now();
     if (drafting > 0)
