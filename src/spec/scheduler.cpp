@@ -442,7 +442,7 @@ DraftCostProfile cached_draft_cost(Target& target, DraftSource& source, const st
 }
 
 std::vector<int> prefix_schedule(std::span<const std::vector<float>> confidences, const SpsProfile& sps,
-                                 int extra_tokens, double* expected_tokens, int* forward_tokens) {
+                                 int extra_tokens, int* forward_tokens) {
   struct Candidate {
     double survival;  // a_{r,j}
     int position, row;
@@ -478,7 +478,6 @@ std::vector<int> prefix_schedule(std::span<const std::vector<float>> confidences
     verify[candidate.row] = candidate.position + 1;
     tokens += 1, expected += candidate.survival, rate = admitted_rate;
   }
-  if (expected_tokens) *expected_tokens = expected;
   if (forward_tokens) *forward_tokens = tokens;
   return verify;
 }
@@ -504,7 +503,7 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
     if (!scored) whole += int(proposal.tokens.size());
   }
   int tokens = 0;
-  verify = prefix_schedule(confidences_, sps_, whole, nullptr, &tokens);
+  verify = prefix_schedule(confidences_, sps_, whole, &tokens);
   for (size_t i = 0; i < proposals.size(); ++i)
     if (proposals[i].confidence.size() != proposals[i].tokens.size()) verify[i] = int(proposals[i].tokens.size());
   if (!draft_cost_) return;

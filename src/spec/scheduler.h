@@ -161,9 +161,9 @@ class VerifyScheduler {
 // (values outside [0, 1] are clamped). Returns each row's verified prefix
 // length. `extra_tokens`: tokens in the forward beyond the R pending ones and
 // the candidates (rows verified whole because they have no confidences).
-// `expected` (when given) receives τ* and `forward_tokens` B of the schedule.
+// `forward_tokens` (when given) receives B of the schedule.
 std::vector<int> prefix_schedule(std::span<const std::vector<float>> confidences, const SpsProfile& sps,
-                                 int extra_tokens = 0, double* expected = nullptr, int* forward_tokens = nullptr);
+                                 int extra_tokens = 0, int* forward_tokens = nullptr);
 
 class PrefixScheduler final : public VerifyScheduler {
  public:
