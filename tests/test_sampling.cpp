@@ -2,9 +2,11 @@
 // the sampler's frequencies against its own distribution (chi-square).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <numeric>
 
+#include "isa_test.h"
 #include "kernels/cpu/sampling.h"
 
 namespace dspark::cpu {
@@ -41,6 +43,39 @@ TEST(Sampling, TemperatureIsASoftmaxOfScaledLogits) {
   const auto probs = processed(kLogits, {0.7f, 0, 1.0f});
   const auto expected = softmax(kLogits, 0.7f);
   for (size_t i = 0; i < probs.size(); ++i) EXPECT_NEAR(probs[i], expected[i], 1e-6);
+}
+
+// The vectorised softmax on every instruction set, for vocabularies with and
+// without a partial last vector (and shorter than one), against double
+// precision: each probability within the exp polynomial's ~2e-7 relative
+// plus what rounding its float argument costs, the whole summing to 1.
+class SamplingIsa : public testing::IsaTest {};
+
+TEST_F(SamplingIsa, TemperatureSoftmaxMatchesDoublePrecisionOnEveryInstructionSet) {
+  Rng rng(11);
+  for (MatmulIsa isa : supported()) {
+    set_matmul_isa(isa);
+    for (int vocab : {3, 16, 17, 8192, 8203}) {
+      std::vector<float> logits(vocab);
+      for (float& logit : logits) logit = float(rng.uniform() * 30.0 - 15.0);
+      for (float temperature : {1.0f, 0.6f, 1.7f}) {
+        const auto probs = processed(logits, {temperature, 0, 1.0f});
+        const float largest = *std::max_element(logits.begin(), logits.end());
+        double total = 0.0;
+        for (float logit : logits) total += std::exp(double(logit - largest) / temperature);
+        double sum = 0.0;
+        for (int i = 0; i < vocab; ++i) {
+          const double argument = double(logits[i] - largest) / temperature;
+          const double expected = std::exp(argument) / total;
+          // The polynomial's ~2e-7, plus the float argument's rounding (relative 2^-23 of it).
+          ASSERT_NEAR(probs[i], expected, expected * 3e-7 * (1.0 + std::abs(argument)) + 1e-37)
+              << matmul_isa_name(isa) << " vocab " << vocab << " T " << temperature << " i " << i;
+          sum += probs[i];
+        }
+        EXPECT_NEAR(sum, 1.0, 1e-5) << matmul_isa_name(isa) << " vocab " << vocab;
+      }
+    }
+  }
 }
 
 TEST(Sampling, TopKKeepsTheKLargestAndTiesWithTheKth) {

@@ -48,6 +48,55 @@ __attribute__((target("arch=x86-64-v3"))) int32_t argmax_avx2(const float* logit
 }
 int32_t argmax_baseline(const float* logits, int vocab) { return argmax<4>(logits, vocab); }
 
+// probs = softmax(logits / temperature): the maximum, exp((x - max) / T)
+// (simd::exp) over vectors of W (the tail in one vector padded with -inf,
+// whose exp is 0), their sum per lane in double, then one multiply by the
+// inverse. A vocabulary of exps is most of what
+// sampling costs per row (8192 of them for the demo target).
+template <int W>
+[[gnu::always_inline]] inline void tempered_softmax(float* probs, const float* logits, int vocab, float temperature) {
+  using V = typename simd::Floats<W>::Vector;
+  const float negative_infinity = -__builtin_inff();
+  V maximum = V{} + negative_infinity;
+  int i = 0;
+  for (; i + W <= vocab; i += W) {
+    const V x = simd::load<V>(logits + i);
+    maximum = x > maximum ? x : maximum;
+  }
+  float largest = negative_infinity;
+  for (int lane = 0; lane < W; ++lane) largest = std::max(largest, float(maximum[lane]));
+  for (int j = i; j < vocab; ++j) largest = std::max(largest, logits[j]);
+  const float scale = 1.0f / temperature;
+  double sums[W] = {};  // per lane, in double: float sums of thousands of terms lose ~1e-6
+  for (i = 0; i + W <= vocab; i += W) {
+    const V e = simd::exp<W>((simd::load<V>(logits + i) - largest) * scale);
+    simd::store(probs + i, e);
+    for (int lane = 0; lane < W; ++lane) sums[lane] += e[lane];
+  }
+  if (i < vocab) {
+    V tail = V{} + negative_infinity;
+    for (int lane = 0; i + lane < vocab; ++lane) tail[lane] = logits[i + lane];
+    const V e = simd::exp<W>((tail - largest) * scale);
+    for (int lane = 0; i + lane < vocab; ++lane) probs[i + lane] = e[lane], sums[lane] += e[lane];
+  }
+  double total = 0.0;
+  for (int lane = 0; lane < W; ++lane) total += sums[lane];
+  const float inverse = static_cast<float>(1.0 / total);
+  for (i = 0; i + W <= vocab; i += W) simd::store(probs + i, simd::load<V>(probs + i) * inverse);
+  for (; i < vocab; ++i) probs[i] *= inverse;
+}
+__attribute__((target("arch=x86-64-v4"))) void tempered_softmax_avx512(float* probs, const float* logits, int vocab,
+                                                                      float temperature) {
+  tempered_softmax<16>(probs, logits, vocab, temperature);
+}
+__attribute__((target("arch=x86-64-v3"))) void tempered_softmax_avx2(float* probs, const float* logits, int vocab,
+                                                                    float temperature) {
+  tempered_softmax<8>(probs, logits, vocab, temperature);
+}
+void tempered_softmax_baseline(float* probs, const float* logits, int vocab, float temperature) {
+  tempered_softmax<4>(probs, logits, vocab, temperature);
+}
+
 }  // namespace
 
 int32_t argmax(const float* logits, int vocab) {
@@ -64,13 +113,10 @@ void processed_distribution(float* probs, const float* logits, int vocab, const 
     probs[argmax(logits, vocab)] = 1.0f;
     return;
   }
-  const float maximum = *std::max_element(logits, logits + vocab);
-  double total = 0.0;
-  for (int i = 0; i < vocab; ++i) {
-    probs[i] = std::exp((logits[i] - maximum) / params.temperature);
-    total += probs[i];
-  }
-  for (int i = 0; i < vocab; ++i) probs[i] = static_cast<float>(probs[i] / total);
+  const MatmulIsa isa = matmul_isa();
+  (isa == MatmulIsa::Avx512 ? tempered_softmax_avx512
+   : isa == MatmulIsa::Avx2 ? tempered_softmax_avx2
+                            : tempered_softmax_baseline)(probs, logits, vocab, params.temperature);
   const bool use_top_k = params.top_k > 0 && params.top_k < vocab;
   const bool use_top_p = params.top_p < 1.0f;
   if (!use_top_k && !use_top_p) return;
