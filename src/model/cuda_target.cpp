@@ -13,10 +13,16 @@
 // slots, per-sequence offsets and lengths, sampling uniforms) into one pinned
 // buffer and copies it with one cudaMemcpyAsync; the kernels run; the chosen
 // token ids come back in one copy, the only synchronisation of the step.
-// Steps where every sequence adds the same number of tokens (decode: 1,
-// verify: gamma+1) are captured once per (batch bucket, tokens per sequence)
-// as CUDA graphs and replayed; the batch is padded to its bucket with dummy
-// sequences that write only to two reserved cache blocks.
+// Steps of up to 64 sequences of up to 64 tokens each are captured once per
+// (batch bucket, tokens per sequence) as CUDA graphs and replayed; the batch
+// is padded to its bucket with dummy sequences that write only to two
+// reserved cache blocks. A step whose sequences add different numbers of
+// tokens (a verify where rows keep different draft prefixes) is padded to
+// its longest: each short sequence's block gets dummy tokens after its own,
+// written to its cache past its length, where nothing reads them (a query
+// sees only positions up to its own, and the sequence's length does not
+// count them) until real tokens overwrite them; its real rows' outputs are
+// gathered back to the front.
 #include "model/cuda_target.h"
 
 #include <algorithm>
@@ -102,7 +108,7 @@ struct SequenceState {
 // Offsets (in 4-byte words) of the step metadata inside the staging buffers.
 struct StepLayout {
   long tokens, positions, slots, query_start, query_length, sequence_length, table_row, logit_rows,
-      score_tokens, uniforms, words;
+      score_tokens, uniforms, tap_rows, words;
   StepLayout(long max_tokens, long max_sequences) {
     long at = (sizeof(cuda::DeviceSamplingParams) + 3) / 4;
     auto take = [&](long count) { long begin = at; at += count; return begin; };
@@ -110,6 +116,7 @@ struct StepLayout {
     query_start = take(max_sequences), query_length = take(max_sequences);
     sequence_length = take(max_sequences), table_row = take(max_sequences);
     logit_rows = take(max_tokens), score_tokens = take(max_tokens), uniforms = take(max_tokens);
+    tap_rows = take(max_tokens);
     words = at;
   }
 };
@@ -132,11 +139,12 @@ class CudaTarget final : public Target {
   // What one forward runs, after padding: the shapes every kernel launch sees.
   struct StepShape {
     int tokens = 0, sequences = 0, logit_rows = 0, max_query_length = 0, splits = 1;
+    bool padded = false;    // sequences padded to the longest: logit rows listed real ones first
     std::vector<int> taps;  // hidden states copied out (a verify step for a DSpark drafter)
     bool operator<(const StepShape& other) const {
-      return std::tie(tokens, sequences, logit_rows, max_query_length, splits, taps) <
+      return std::tie(tokens, sequences, logit_rows, max_query_length, splits, padded, taps) <
              std::tie(other.tokens, other.sequences, other.logit_rows, other.max_query_length, other.splits,
-                      other.taps);
+                      other.padded, other.taps);
     }
   };
 
@@ -177,6 +185,7 @@ class CudaTarget final : public Target {
   PinnedBuffer<uint32_t> staging_;
   DeviceBuffer<uint32_t> metadata_;
   DeviceBuffer<float> residual_, logits_, nll_, taps_, partial_out_, partial_lse_;
+  DeviceBuffer<float> packed_taps_;  // a padded step's taps, its real rows only
   DeviceBuffer<bf16> normed_, qkv_, queries_, attention_, projected_, gate_up_, activated_, head_input_;
   DeviceBuffer<int32_t> chosen_;
   PinnedBuffer<int32_t> chosen_host_;
@@ -429,13 +438,10 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
   const ModelConfig& c = config_;
   for (int tap : request.taps)
     DSPARK_CHECK(tap >= 0 && tap <= c.num_layers, "tap index ", tap, " is outside 0..", c.num_layers);
-  // Real rows first, then padding sequences up to the batch bucket (graphable steps only).
-  const size_t per_sequence = inputs[0].tokens.size();
-  const bool uniform = std::all_of(inputs.begin(), inputs.end(), [&](const TargetInput& input) {
-    return input.tokens.size() == per_sequence && input.all_rows == inputs[0].all_rows;
-  });
-  const bool graphable = uniform && request.score_tokens.empty() &&
-                         inputs.size() <= size_t(kMaxGraphBatch) && per_sequence <= size_t(kMaxGraphTokens);
+  // Real sequences first, then padding sequences up to the batch bucket (graphable steps only).
+  const bool all_rows = inputs[0].all_rows;
+  const bool alike = std::all_of(inputs.begin(), inputs.end(),
+                                 [&](const TargetInput& input) { return input.all_rows == all_rows; });
   int real_tokens = 0, real_rows = 0, max_query_length = 0, longest_sequence = 0;
   for (const TargetInput& input : inputs) {
     const SequenceState& sequence = state(input.sequence);
@@ -455,14 +461,31 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
                real_rows, " uniforms, got ", request.uniforms.size());
   DSPARK_CHECK(request.score_tokens.empty() || request.score_tokens.size() == size_t(real_rows),
                "scoring needs ", real_rows, " tokens, got ", request.score_tokens.size());
+  // Graphed: every sequence padded to the longest's Q tokens, where each has
+  // room for them in its capacity and the pool has the blocks.
+  const int Q = max_query_length;
+  bool uniform = true, fits = true;
+  size_t blocks_needed = 0;
+  for (const TargetInput& input : inputs) {
+    const SequenceState& sequence = state(input.sequence);
+    uniform &= int(input.tokens.size()) == Q;
+    fits &= sequence.length + Q <= sequence.capacity;
+    blocks_needed += std::max<long>(0, ceil_div(sequence.length + Q, kBlockSize) - long(sequence.blocks.size()));
+  }
+  const bool graphable = alike && request.score_tokens.empty() && inputs.size() <= size_t(kMaxGraphBatch) &&
+                         Q <= kMaxGraphTokens && fits && blocks_needed <= free_blocks_.size();
+  const bool padded = graphable && !uniform;
+  if (padded)  // the attention's splits cover the padded lengths
+    for (const TargetInput& input : inputs)
+      longest_sequence = std::max(longest_sequence, state(input.sequence).length + Q);
   int sequences = static_cast<int>(inputs.size());
   if (graphable) sequences = int(std::bit_ceil(unsigned(sequences)));
-  const int padding = sequences - static_cast<int>(inputs.size());
   StepShape shape;
   shape.sequences = sequences;
-  shape.tokens = real_tokens + padding * static_cast<int>(per_sequence);
-  shape.logit_rows = real_rows + padding * (inputs[0].all_rows ? static_cast<int>(per_sequence) : 1);
-  shape.max_query_length = max_query_length;
+  shape.tokens = graphable ? sequences * Q : real_tokens;
+  shape.logit_rows = !graphable ? real_rows : all_rows ? shape.tokens : sequences;
+  shape.max_query_length = Q;
+  shape.padded = padded;
   ensure_capacity(shape.tokens, shape.sequences);
   shape.splits = attention_splits(longest_sequence);
   ensure_split_capacity(shape.splits, shape.tokens);
@@ -473,32 +496,41 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
   cuda::DeviceSamplingParams params{request.sampling.greedy() ? 0.0f : request.sampling.temperature,
                                     request.sampling.top_k, request.sampling.top_p};
   std::memcpy(words, &params, sizeof params);
-  int row = 0, logit_row = 0;
-  auto add_sequence = [&](int index, int table_row, int start_length, std::span<const int32_t> tokens,
-                          const std::vector<int32_t>& blocks, bool all_rows) {
+  // Logit rows: the real ones first, in order (results are read from the
+  // front), then those of dummy tokens. Tap rows: where each real token's taps are.
+  int row = 0, logit_row = 0, extra_logit_row = real_rows;
+  auto add_sequence = [&](int index, int table_row, int start_length, std::span<const int32_t> tokens, int length,
+                          const std::vector<int32_t>& blocks, bool every_row, bool real) {
     ints(layout_.query_start)[index] = row;
-    ints(layout_.query_length)[index] = static_cast<int>(tokens.size());
-    ints(layout_.sequence_length)[index] = start_length + static_cast<int>(tokens.size());
+    ints(layout_.query_length)[index] = length;
+    ints(layout_.sequence_length)[index] = start_length + length;
     ints(layout_.table_row)[index] = table_row;
-    for (size_t i = 0; i < tokens.size(); ++i, ++row) {
-      const int position = start_length + static_cast<int>(i);
-      ints(layout_.tokens)[row] = tokens[i];
+    const int own = static_cast<int>(tokens.size());
+    for (int i = 0; i < length; ++i, ++row) {
+      const int position = start_length + i;
+      ints(layout_.tokens)[row] = i < own ? tokens[i] : 0;
       ints(layout_.positions)[row] = position;
       ints(layout_.slots)[row] = blocks[position / kBlockSize] * kBlockSize + position % kBlockSize;
-      if (all_rows || i + 1 == tokens.size()) ints(layout_.logit_rows)[logit_row++] = row;
+      // A real sequence's last row is its own last token's; a dummy sequence's, its last.
+      if (!every_row && i + 1 != (real ? own : length)) continue;
+      if (real && i < own)
+        ints(layout_.logit_rows)[logit_row++] = row;
+      else
+        ints(layout_.logit_rows)[extra_logit_row++] = row;
     }
   };
+  int real_token = 0;
   for (size_t index = 0; index < inputs.size(); ++index) {
     SequenceState& sequence = state(inputs[index].sequence);
-    ensure_blocks(sequence, sequence.length + static_cast<int>(inputs[index].tokens.size()));
-    add_sequence(static_cast<int>(index), sequence.table_row, sequence.length, inputs[index].tokens, sequence.blocks,
-                 inputs[index].all_rows);
+    const int own = static_cast<int>(inputs[index].tokens.size()), length = graphable ? Q : own;
+    ensure_blocks(sequence, sequence.length + length);
+    for (int i = 0; i < own; ++i) ints(layout_.tap_rows)[real_token++] = row + i;
+    add_sequence(static_cast<int>(index), sequence.table_row, sequence.length, inputs[index].tokens, length,
+                 sequence.blocks, inputs[index].all_rows, true);
   }
   static const std::vector<int32_t> padding_blocks = {0, 1};  // the reserved blocks, as a block list
-  static const std::vector<int32_t> padding_tokens(kMaxGraphTokens, 0);
   for (int index = static_cast<int>(inputs.size()); index < sequences; ++index)
-    add_sequence(index, kMaxTableRows, 0, std::span(padding_tokens).first(per_sequence), padding_blocks,
-                 inputs[0].all_rows);
+    add_sequence(index, kMaxTableRows, 0, {}, Q, padding_blocks, all_rows, false);
   for (int r = 0; r < real_rows; ++r) {
     reinterpret_cast<float*>(words + layout_.uniforms)[r] =
         request.uniforms.empty() ? 0.0f : static_cast<float>(request.uniforms[r]);
@@ -532,6 +564,14 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
     if (graphable) ++eager_runs_[shape];
     if (shape.tokens == shape.sequences) profiler_.finish_step();  // decode steps only
   }
+  const float* taps = taps_.data();
+  const long tap_width = long(request.taps.size()) * c.hidden_size;
+  if (padded && tap_width > 0) {  // the real tokens' rows, back to back
+    if (packed_taps_.size() < size_t(real_tokens) * tap_width) packed_taps_.resize(size_t(shape.tokens) * tap_width);
+    cuda::embedding_forward(packed_taps_.data(), taps_.data(), reinterpret_cast<const int32_t*>(metadata_.data()) +
+                            layout_.tap_rows, real_tokens, static_cast<int>(tap_width), stream_);
+    taps = packed_taps_.data();
+  }
   CUDA_CHECK(cudaMemcpyAsync(chosen_host_.data(), chosen_.data(), real_rows * sizeof(int32_t),
                              cudaMemcpyDeviceToHost, stream_));
   if (score)
@@ -550,11 +590,10 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
   result.taps.clear();
   result.device_taps = nullptr;
   if (!request.taps.empty() && request.taps_on_device) {
-    result.device_taps = taps_.data();  // complete: the stream was synchronised above
+    result.device_taps = taps;  // complete: the stream was synchronised above
   } else if (!request.taps.empty()) {
-    result.taps.resize(size_t(real_tokens) * request.taps.size() * c.hidden_size);
-    CUDA_CHECK(cudaMemcpy(result.taps.data(), taps_.data(), result.taps.size() * sizeof(float),
-                          cudaMemcpyDeviceToHost));
+    result.taps.resize(size_t(real_tokens) * tap_width);
+    CUDA_CHECK(cudaMemcpy(result.taps.data(), taps, result.taps.size() * sizeof(float), cudaMemcpyDeviceToHost));
   }
   for (const TargetInput& input : inputs) state(input.sequence).length += static_cast<int>(input.tokens.size());
 }
@@ -622,7 +661,7 @@ void CudaTarget::run_step(const StepShape& shape, std::span<const int> taps, boo
                                      tap_slot(c.num_layers - 1), tap_slot(c.num_layers), tap_stride, s);
   p.mark("add+norm", s);
   const bf16* head_input = normed_.data();
-  if (shape.logit_rows != T) {
+  if (shape.logit_rows != T || shape.padded) {  // not every row in order: gather the listed ones
     cuda::gather_rows_forward(head_input_.data(), normed_.data(), meta + layout_.logit_rows, shape.logit_rows, H, s);
     head_input = head_input_.data();
   }

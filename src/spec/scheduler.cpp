@@ -199,8 +199,8 @@ SpsProfile measure_sps(Target& target, const SpsProfileOptions& options) {
     profile.plain_steps_per_second.push_back(1.0 / median_seconds(TargetRequest{}));
     // Rounds: R sequences of 1 + k tokens, with the taps. Alg 1 cuts each
     // row's draft apart, so a drafted round's rows verify different lengths:
-    // one row is one token short here, as in such a round (the CUDA target
-    // replays captured graphs only for steps whose sequences are alike).
+    // one row is one token short here, as in such a round (a target may run
+    // those differently: the CUDA target pads them to the longest row).
     for (int k : profile.round_drafts) {
       for (int s = 0; s < R; ++s) {
         blocks[s] = random_tokens(1 + k - (s == 0 && k > 0 && R > 1));

@@ -427,6 +427,68 @@ TEST_P(CudaGolden, PaddedBatchMatchesSingleSequences) {
   for (int sequence : sequences) cuda_->release_sequence(sequence);
 }
 
+TEST_P(CudaGolden, RaggedVerifyIsPaddedToAGraphAndMatchesTheCpu) {
+  // Three sequences verifying blocks of 1, 3 and 2 tokens in one step (as
+  // when Alg 1 keeps different draft prefixes): the step is padded to 3
+  // tokens a sequence and 4 sequences, run eagerly (choosing its GEMMs), then
+  // rolled back and repeated twice: captured, then replayed. Each real row's
+  // logits and taps match the CPU's full forward, the graph picks the eager
+  // run's tokens, the replay's device taps are the capture's host taps bit for
+  // bit, and the sequences grow by their own tokens only.
+  const int V = cuda_->config().vocab_size, H = cuda_->config().hidden_size;
+  const std::vector<int> taps = {1, cuda_->config().num_layers};
+  const std::vector<std::vector<int32_t>> prompts = {prompt(0), prompt(2), prompt(3)};
+  const std::vector<int> block = {1, 3, 2};
+  std::vector<int> sequences, prefix;
+  TargetRequest request;
+  request.want_logits = true;
+  request.taps = taps;
+  TargetResult result;
+  for (size_t s = 0; s < prompts.size(); ++s) {
+    ASSERT_GT(int(prompts[s].size()), block[s]);
+    prefix.push_back(int(prompts[s].size()) - block[s]);
+    sequences.push_back(cuda_->create_sequence(128));
+    TargetInput head{sequences.back(), std::span(prompts[s]).first(prefix[s]), false};
+    cuda_->forward({&head, 1}, TargetRequest{}, result);
+  }
+  std::vector<TargetInput> verify;
+  for (size_t s = 0; s < prompts.size(); ++s)
+    verify.push_back({sequences[s], std::span(prompts[s]).subspan(prefix[s], block[s]), true});
+  TargetResult eager, graphed, on_device;
+  cuda_->forward(verify, request, eager);
+  for (size_t s = 0; s < prompts.size(); ++s) {
+    EXPECT_EQ(cuda_->sequence_length(sequences[s]), int(prompts[s].size()));
+    cuda_->truncate_sequence(sequences[s], prefix[s]);
+  }
+  cuda_->forward(verify, request, graphed);
+  EXPECT_EQ(graphed.tokens, eager.tokens);
+  EXPECT_LE(relative_error(graphed.logits.data(), eager.logits.data(), eager.logits.size()), 1e-2);
+  for (size_t s = 0; s < prompts.size(); ++s) cuda_->truncate_sequence(sequences[s], prefix[s]);
+  request.taps_on_device = true;
+  cuda_->forward(verify, request, on_device);
+  ASSERT_NE(on_device.device_taps, nullptr);
+  EXPECT_EQ(on_device.tokens, graphed.tokens);
+  std::vector<float> copied(graphed.taps.size());
+  CUDA_CHECK(cudaMemcpy(copied.data(), on_device.device_taps, copied.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(copied, graphed.taps);
+  const long tap_width = long(taps.size()) * H;
+  long row = 0;
+  for (size_t s = 0; s < prompts.size(); ++s) {
+    const TargetResult alone = full_forward(*cpu_, prompts[s], taps);
+    for (int i = 0; i < block[s]; ++i, ++row) {
+      const long position = prefix[s] + i;
+      EXPECT_LE(relative_error(eager.logits.data() + row * V, alone.logits.data() + position * V, V), kRowTolerance)
+          << "sequence " << s << " token " << i;
+      EXPECT_EQ(eager.tokens[row], cpu::argmax(eager.logits.data() + row * V, V));
+      EXPECT_LE(relative_error(eager.taps.data() + row * tap_width, alone.taps.data() + position * tap_width,
+                               tap_width),
+                kRowTolerance)
+          << "sequence " << s << " token " << i;
+    }
+  }
+  for (int sequence : sequences) cuda_->release_sequence(sequence);
+}
+
 TEST_P(CudaGolden, RollbackLeavesNoTrace) {
   const auto ids = prompt(0);
   const int V = cuda_->config().vocab_size;

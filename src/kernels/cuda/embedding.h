@@ -17,7 +17,8 @@ void gather_rows_forward(__nv_bfloat16* out, const __nv_bfloat16* in, const int3
 
 // ---- training ----
 
-// out [rows, dim] = table[ids[r]] with an f32 table [vocab, dim] (a drafter's own lookup table).
+// out [rows, dim] = table[ids[r]] with an f32 table [vocab, dim] (a drafter's own lookup table;
+// also any gather of f32 rows, as of a padded step's tapped rows).
 void embedding_forward(float* out, const float* table, const int32_t* ids, int rows, int dim, cudaStream_t stream);
 
 // The lookup's backward, deterministic: rows that read the same table row are
