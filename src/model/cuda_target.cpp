@@ -328,7 +328,10 @@ void CudaTarget::truncate_sequence(int sequence, int length) {
   DSPARK_CHECK(length >= 0 && length <= truncated.length, "cannot truncate a sequence of length ",
                truncated.length, " to ", length);
   truncated.length = length;
-  const size_t keep = static_cast<size_t>(ceil_div(length, kBlockSize));
+  // One block past the length stays: a verify block that crossed into it and
+  // was rejected comes right back next round, and giving the block back and
+  // taking it again costs a block-table upload each time.
+  const size_t keep = std::min(truncated.blocks.size(), static_cast<size_t>(ceil_div(length, kBlockSize)) + 1);
   free_blocks_.insert(free_blocks_.end(), truncated.blocks.begin() + keep, truncated.blocks.end());
   truncated.blocks.resize(keep);
 }
