@@ -475,8 +475,13 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
     fits &= sequence.length + Q <= sequence.capacity;
     blocks_needed += std::max<long>(0, ceil_div(sequence.length + Q, kBlockSize) - long(sequence.blocks.size()));
   }
+  // Padding may at most double the step's tokens: on a large model the dummy
+  // rows' FLOPs would cost more than the launches a graph saves (one row
+  // drafting 7 tokens beside 63 undrafted ones would run 512 rows for 71).
+  const int padded_tokens = static_cast<int>(std::bit_ceil(unsigned(inputs.size()))) * Q;
   const bool graphable = alike && request.score_tokens.empty() && inputs.size() <= size_t(kMaxGraphBatch) &&
-                         Q <= kMaxGraphTokens && fits && blocks_needed <= free_blocks_.size();
+                         Q <= kMaxGraphTokens && fits && blocks_needed <= free_blocks_.size() &&
+                         (uniform || padded_tokens <= 2 * real_tokens);
   const bool padded = graphable && !uniform;
   if (padded)  // the attention's splits cover the padded lengths
     for (const TargetInput& input : inputs)
