@@ -478,16 +478,15 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
   // Padding may at most double the step's tokens: on a large model the dummy
   // rows' FLOPs would cost more than the launches a graph saves (one row
   // drafting 7 tokens beside 63 undrafted ones would run 512 rows for 71).
-  const int padded_tokens = static_cast<int>(std::bit_ceil(unsigned(inputs.size()))) * Q;
+  const int bucket = static_cast<int>(std::bit_ceil(unsigned(inputs.size())));  // sequences, padded
   const bool graphable = alike && request.score_tokens.empty() && inputs.size() <= size_t(kMaxGraphBatch) &&
                          Q <= kMaxGraphTokens && fits && blocks_needed <= free_blocks_.size() &&
-                         (uniform || padded_tokens <= 2 * real_tokens);
+                         (uniform || bucket * Q <= 2 * real_tokens);
   const bool padded = graphable && !uniform;
   if (padded)  // the attention's splits cover the padded lengths
     for (const TargetInput& input : inputs)
       longest_sequence = std::max(longest_sequence, state(input.sequence).length + Q);
-  int sequences = static_cast<int>(inputs.size());
-  if (graphable) sequences = int(std::bit_ceil(unsigned(sequences)));
+  const int sequences = graphable ? bucket : static_cast<int>(inputs.size());
   StepShape shape;
   shape.sequences = sequences;
   shape.tokens = graphable ? sequences * Q : real_tokens;
@@ -532,7 +531,8 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
     SequenceState& sequence = state(inputs[index].sequence);
     const int own = static_cast<int>(inputs[index].tokens.size()), length = graphable ? Q : own;
     ensure_blocks(sequence, sequence.length + length);
-    for (int i = 0; i < own; ++i) ints(layout_.tap_rows)[real_token++] = row + i;
+    if (padded)
+      for (int i = 0; i < own; ++i) ints(layout_.tap_rows)[real_token++] = row + i;
     add_sequence(static_cast<int>(index), sequence.table_row, sequence.length, inputs[index].tokens, length,
                  sequence.blocks, inputs[index].all_rows, true);
   }

@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "kernels/cpu/sampling.h"
+#include "model/target.h"
 
 namespace dspark {
 
@@ -59,6 +60,20 @@ class DraftSource {
 
 inline void DraftSource::accept_device(int, std::span<const int32_t>, const float*) {
   fail("this draft source does not take tapped rows on the device");
+}
+
+// source.accept(_device) for `tokens` of `row` with their tapped rows: rows
+// [first_row, first_row + tokens) of `step`'s taps, wherever the forward left
+// them (device or host); tap_width (m·H, 0 when the source reads no taps) is
+// each row's width.
+inline void accept_tapped_rows(DraftSource& source, int row, std::span<const int32_t> tokens,
+                               const TargetResult& step, size_t first_row, size_t tap_width) {
+  if (tap_width == 0)
+    source.accept(row, tokens, nullptr);
+  else if (step.device_taps)
+    source.accept_device(row, tokens, step.device_taps + first_row * tap_width);
+  else
+    source.accept(row, tokens, step.taps.data() + first_row * tap_width);
 }
 
 }  // namespace dspark

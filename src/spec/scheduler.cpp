@@ -19,6 +19,11 @@ constexpr int kMaxUndraftedRounds = 32;
 
 namespace {
 
+// A confidence as a survival factor in [0, 1]. A NaN confidence (a broken
+// drafter) counts as 0: std::clamp would pass it through, and NaN breaks the
+// walk's sort order.
+double survival_factor(double confidence) { return confidence > 0.0 ? std::min(confidence, 1.0) : 0.0; }
+
 // Steps per second at `count` from measured (points, rates): the step time
 // interpolated linearly, extrapolated linearly (never decreasing) past the last.
 double interpolate_rate(const std::vector<int>& points, const std::vector<double>& rates, int count) {
@@ -278,14 +283,8 @@ DraftCostProfile measure_draft_cost(Target& target, DraftSource& source, int gam
     source.begin(r, prompts[r], rng.next());
   }
   TargetResult result;
-  // The source takes rows [first_row, first_row + tokens) of the last forward's taps.
   auto accept = [&](int row, std::span<const int32_t> tokens, size_t first_row) {
-    if (taps.empty())
-      source.accept(row, tokens, nullptr);
-    else if (result.device_taps)
-      source.accept_device(row, tokens, result.device_taps + first_row * tap_width);
-    else
-      source.accept(row, tokens, result.taps.data() + first_row * tap_width);
+    accept_tapped_rows(source, row, tokens, result, first_row, tap_width);
   };
   // As speculative decoding starts: every prompt token but the last enters
   // the cache and the source's context, with its tapped rows.
@@ -451,10 +450,7 @@ std::vector<int> prefix_schedule(std::span<const std::vector<float>> confidences
   for (size_t r = 0; r < confidences.size(); ++r) {
     double survival = 1.0;
     for (size_t j = 0; j < confidences[r].size(); ++j) {
-      // Never increases along a row. A NaN confidence (a broken drafter) counts
-      // as 0: std::clamp would pass it through, and NaN breaks the sort's order.
-      const double confidence = confidences[r][j];
-      survival *= confidence > 0.0 ? std::min(confidence, 1.0) : 0.0;
+      survival *= survival_factor(confidences[r][j]);  // never increases along a row
       candidates.push_back({survival, int(j), int(r)});
     }
   }
@@ -520,11 +516,8 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
     if (proposals[r].tokens.empty()) continue;
     ++drafting;
     double row_expected = 1.0, survival = 1.0;  // e_r = 1 + Σ_{j < verify[r]} a_{r,j}
-    for (int j = 0; j < verify[r] && j < int(confidences_[r].size()); ++j) {
-      const double confidence = confidences_[r][j];
-      survival *= confidence > 0.0 ? std::min(confidence, 1.0) : 0.0;  // as prefix_schedule reads it
-      row_expected += survival;
-    }
+    for (int j = 0; j < verify[r] && j < int(confidences_[r].size()); ++j)
+      row_expected += survival *= survival_factor(confidences_[r][j]);
     const double left = lengths ? std::max(remaining_[r], 1) : 1.0;
     most_left = std::max(most_left, left);
     most_rounds = std::max(most_rounds, left / row_expected);

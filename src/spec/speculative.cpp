@@ -75,12 +75,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   const bool taps_on_device = !taps.empty() && source.accepts_device_taps();
   TargetResult step;
   auto accept = [&](int slot, std::span<const int32_t> tokens, size_t first_row) {
-    if (taps.empty())
-      source.accept(slot, tokens, nullptr);
-    else if (step.device_taps)
-      source.accept_device(slot, tokens, step.device_taps + first_row * tap_width);
-    else
-      source.accept(slot, tokens, step.taps.data() + first_row * tap_width);
+    accept_tapped_rows(source, slot, tokens, step, first_row, tap_width);
   };
   std::vector<Request> requests(prompts.size());
   const auto start = Clock::now();

@@ -40,13 +40,7 @@ void swiglu_baseline(float* out, const float* gate, const float* up, long count)
 }  // namespace
 
 void swiglu_forward(float* out, const float* gate, const float* up, long count) {
-  const MatmulIsa isa = matmul_isa();
-  if (isa == MatmulIsa::Avx512)
-    swiglu_avx512(out, gate, up, count);
-  else if (isa == MatmulIsa::Avx2)
-    swiglu_avx2(out, gate, up, count);
-  else
-    swiglu_baseline(out, gate, up, count);
+  for_matmul_isa(swiglu_avx512, swiglu_avx2, swiglu_baseline)(out, gate, up, count);
 }
 
 void gelu_tanh_gate_forward(float* out, const float* gate, const float* up, long count) {

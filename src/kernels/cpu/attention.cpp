@@ -335,10 +335,7 @@ void run_attention(AttentionProblem& p, long work) {
   p.block_rows = (p.rows + row_blocks - 1) / row_blocks;
   p.row_blocks = (p.rows + p.block_rows - 1) / p.block_rows;
   const int chunks = p.kv_heads * p.row_blocks;
-  const MatmulIsa isa = matmul_isa();
-  const ParallelTask task = isa == MatmulIsa::Avx512 ? attention_chunk_avx512
-                            : isa == MatmulIsa::Avx2 ? attention_chunk_avx2
-                                                     : attention_chunk_baseline;
+  const ParallelTask task = for_matmul_isa(attention_chunk_avx512, attention_chunk_avx2, attention_chunk_baseline);
   if (threads == 1 || work < 2 * kMinChunkWork)
     for (int chunk = 0; chunk < chunks; ++chunk) task(&p, chunk);
   else

@@ -387,31 +387,23 @@ void matmul_forward_small_rows(float* out, const float* x, const float* weight, 
                                int in_features, int out_features) {
   if (rows <= 0 || out_features <= 0) return;
   DotProblem problem{out, x, weight, bias, rows, in_features, out_features, 0};
-  const MatmulIsa isa = matmul_isa();
-  const TileShapes& tiles = tile_shapes(isa);
+  const TileShapes& tiles = tile_shapes(matmul_isa());
   const int tile_features = dot_features_for(tiles.dot_registers, largest_row_block(rows, tiles.dot_max_rows));
   problem.chunk_features = chunk_size(long(rows) * in_features * out_features, out_features, tile_features);
   const int chunks = (out_features + problem.chunk_features - 1) / problem.chunk_features;
-  parallel_run(isa == MatmulIsa::Avx512 ? dot_chunk_avx512
-               : isa == MatmulIsa::Avx2 ? dot_chunk_avx2
-                                        : dot_chunk_baseline,
-               &problem, chunks);
+  parallel_run(for_matmul_isa(dot_chunk_avx512, dot_chunk_avx2, dot_chunk_baseline), &problem, chunks);
 }
 
 void matmul_in_out_forward_small_rows(float* out, const float* x, const float* weight, int rows, int in_features,
                                       int out_features) {
   if (rows <= 0 || out_features <= 0) return;
   AxpyProblem problem{out, x, weight, rows, in_features, out_features, 0};
-  const MatmulIsa isa = matmul_isa();
-  const TileShapes& tiles = tile_shapes(isa);
+  const TileShapes& tiles = tile_shapes(matmul_isa());
   const int tile_columns =
       tiles.width * axpy_vectors_for(tiles.axpy_registers, largest_row_block(rows, tiles.axpy_max_rows));
   problem.chunk_columns = chunk_size(long(rows) * in_features * out_features, out_features, tile_columns);
   const int chunks = (out_features + problem.chunk_columns - 1) / problem.chunk_columns;
-  parallel_run(isa == MatmulIsa::Avx512 ? axpy_chunk_avx512
-               : isa == MatmulIsa::Avx2 ? axpy_chunk_avx2
-                                        : axpy_chunk_baseline,
-               &problem, chunks);
+  parallel_run(for_matmul_isa(axpy_chunk_avx512, axpy_chunk_avx2, axpy_chunk_baseline), &problem, chunks);
 }
 
 void matmul_forward_blas(float* out, const float* x, const float* weight, const float* bias, int rows, int in_features,

@@ -63,4 +63,12 @@ bool matmul_isa_supported(MatmulIsa isa);
 void set_matmul_isa(MatmulIsa isa);
 const char* matmul_isa_name(MatmulIsa isa);
 
+// Of one kernel compiled three times (for AVX-512, AVX2 and the baseline),
+// the version for the instruction set in use.
+template <class Function>
+Function for_matmul_isa(Function avx512, Function avx2, Function baseline) {
+  const MatmulIsa isa = matmul_isa();
+  return isa == MatmulIsa::Avx512 ? avx512 : isa == MatmulIsa::Avx2 ? avx2 : baseline;
+}
+
 }  // namespace dspark::cpu

@@ -65,13 +65,7 @@ double inverse_rms(const float* x, int dim, float eps) {
 }  // namespace
 
 void rmsnorm_forward(float* out, const float* x, const float* weight, int rows, int dim, float eps) {
-  const MatmulIsa isa = matmul_isa();
-  if (isa == MatmulIsa::Avx512)
-    rmsnorm_avx512(out, x, weight, rows, dim, eps);
-  else if (isa == MatmulIsa::Avx2)
-    rmsnorm_avx2(out, x, weight, rows, dim, eps);
-  else
-    rmsnorm_baseline(out, x, weight, rows, dim, eps);
+  for_matmul_isa(rmsnorm_avx512, rmsnorm_avx2, rmsnorm_baseline)(out, x, weight, rows, dim, eps);
 }
 
 void rmsnorm_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight, int rows,

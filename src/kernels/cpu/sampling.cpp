@@ -100,10 +100,7 @@ void tempered_softmax_baseline(float* probs, const float* logits, int vocab, flo
 }  // namespace
 
 int32_t argmax(const float* logits, int vocab) {
-  const MatmulIsa isa = matmul_isa();
-  return isa == MatmulIsa::Avx512 ? argmax_avx512(logits, vocab)
-         : isa == MatmulIsa::Avx2 ? argmax_avx2(logits, vocab)
-                                  : argmax_baseline(logits, vocab);
+  return for_matmul_isa(argmax_avx512, argmax_avx2, argmax_baseline)(logits, vocab);
 }
 
 void processed_distribution(float* probs, const float* logits, int vocab, const SamplingParams& params,
@@ -113,10 +110,8 @@ void processed_distribution(float* probs, const float* logits, int vocab, const 
     probs[argmax(logits, vocab)] = 1.0f;
     return;
   }
-  const MatmulIsa isa = matmul_isa();
-  (isa == MatmulIsa::Avx512 ? tempered_softmax_avx512
-   : isa == MatmulIsa::Avx2 ? tempered_softmax_avx2
-                            : tempered_softmax_baseline)(probs, logits, vocab, params.temperature);
+  for_matmul_isa(tempered_softmax_avx512, tempered_softmax_avx2, tempered_softmax_baseline)(probs, logits, vocab,
+                                                                                           params.temperature);
   const bool use_top_k = params.top_k > 0 && params.top_k < vocab;
   const bool use_top_p = params.top_p < 1.0f;
   if (!use_top_k && !use_top_p) return;
