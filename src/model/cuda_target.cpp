@@ -187,11 +187,14 @@ class CudaTarget final : public Target {
   DeviceBuffer<float> residual_, logits_, nll_, taps_, partial_out_, partial_lse_;
   DeviceBuffer<float> packed_taps_;  // a padded step's taps, its real rows only
   DeviceBuffer<bf16> normed_, qkv_, queries_, attention_, projected_, gate_up_, activated_, head_input_;
+  DeviceBuffer<unsigned> norm_counter_;  // the fused GEMV + norm's block count, 0 between launches
   DeviceBuffer<int32_t> chosen_;
   PinnedBuffer<int32_t> chosen_host_;
   PinnedBuffer<float> nll_host_;
 
   cuda::StepProfiler profiler_{"DSPARK_PROFILE", "profile"};
+  // The steps profiled: those feeding this many tokens to each sequence (DSPARK_PROFILE_TOKENS, default 1: decode).
+  const int profiled_tokens_ = std::getenv("DSPARK_PROFILE_TOKENS") ? std::atoi(std::getenv("DSPARK_PROFILE_TOKENS")) : 1;
   std::map<StepShape, cudaGraphExec_t> graphs_;
   std::map<StepShape, int> eager_runs_;  // a shape is captured on its second use
 };
@@ -271,6 +274,8 @@ CudaTarget::CudaTarget(const std::filesystem::path& directory) {
     }
   rope_table_.resize(table.size());
   CUDA_CHECK(cudaMemcpy(rope_table_.data(), table.data(), rope_table_.bytes(), cudaMemcpyHostToDevice));
+  norm_counter_.resize(1);
+  CUDA_CHECK(cudaMemset(norm_counter_.data(), 0, norm_counter_.bytes()));
 
   // KV pool: half of what is free after the weights, at most kMaxPoolTokens.
   size_t free_bytes = 0, total_bytes = 0;
@@ -494,7 +499,10 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
   shape.max_query_length = Q;
   shape.padded = padded;
   ensure_capacity(shape.tokens, shape.sequences);
-  shape.splits = attention_splits(longest_sequence);
+  // Split-KV for steps of few query tokens per sequence (decode, verify: the
+  // same splits for both, so they agree to the bit); a prefill chunk's many
+  // query rows fill the GPU without it and would need [splits, T] partials.
+  shape.splits = Q <= kMaxGraphTokens ? attention_splits(longest_sequence) : 1;
   ensure_split_capacity(shape.splits, shape.tokens);
 
   // Pack the metadata.
@@ -570,7 +578,7 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
   } else {
     run_step(shape, request.taps, score);
     if (graphable) ++eager_runs_[shape];
-    if (shape.tokens == shape.sequences) profiler_.finish_step();  // decode steps only
+    profiler_.finish_step(shape.tokens == profiled_tokens_ * shape.sequences);
   }
   const float* taps = taps_.data();
   const long tap_width = long(request.taps.size()) * c.hidden_size;
@@ -633,14 +641,11 @@ void CudaTarget::run_step(const StepShape& shape, std::span<const int> taps, boo
   p.mark("start", s);
   cuda::embedding_forward(x, embed_tokens_.data(), tokens, T, H, s);
   p.mark("embedding", s);
+  cuda::rmsnorm_forward(normed_.data(), x, layers_[0].input_norm.data(), T, H, c.rms_norm_eps, s);
+  p.mark("norm", s);
   for (int l = 0; l < c.num_layers; ++l) {
     const CudaLayer& w = layers_[l];
-    if (l == 0)
-      cuda::rmsnorm_forward(normed_.data(), x, w.input_norm.data(), T, H, c.rms_norm_eps, s);
-    else  // completes layer l-1: x += its MLP output
-      cuda::residual_add_rmsnorm_forward(x, projected_.data(), normed_.data(), w.input_norm.data(), T, H,
-                                         c.rms_norm_eps, tap_slot(l - 1), nullptr, tap_stride, s);
-    p.mark("add+norm", s);
+    const bool last = l + 1 == c.num_layers;
     cuda::matmul_forward(qkv_.data(), cuda::MatmulOutput::BF16, normed_.data(), w.qkv.data(), w.qkv_bias.data(), T,
                          H, qkv_width_, s);
     p.mark("qkv gemm", s);
@@ -652,22 +657,27 @@ void CudaTarget::run_step(const StepShape& shape, std::span<const int> taps, boo
                             T, c.num_heads, c.num_kv_heads, c.head_dim, shape.splits, partial_out_.data(),
                             partial_lse_.data(), s);
     p.mark("attention", s);
-    cuda::matmul_forward(projected_.data(), cuda::MatmulOutput::BF16, attention_.data(), w.o_proj.data(),
-                         w.o_bias.data(), T, q_size, H, s);
-    p.mark("o gemm", s);
-    cuda::residual_add_rmsnorm_forward(x, projected_.data(), normed_.data(), w.post_attention_norm.data(), T, H,
-                                       c.rms_norm_eps, nullptr, nullptr, 0, s);
-    p.mark("add+norm", s);
-    cuda::matmul_forward(gate_up_.data(), cuda::MatmulOutput::BF16, normed_.data(), w.gate_up.data(),
-                         w.gate_up_bias.data(), T, H, 2 * F, s);
-    p.mark("gate|up gemm", s);
-    cuda::swiglu_matmul_forward(projected_.data(), cuda::MatmulOutput::BF16, gate_up_.data(), activated_.data(),
-                                w.down.data(), w.down_bias.data(), T, F, H, s);
-    p.mark("swiglu+down gemm", s);
+    // x += attention @ o_proj^T; normed = rms(x, post_attention_norm)
+    const cuda::ResidualNorm attention_norm{.residual = x, .weight = w.post_attention_norm.data(),
+                                            .normed = normed_.data(), .eps = c.rms_norm_eps,
+                                            .counter = norm_counter_.data()};
+    cuda::matmul_residual_rmsnorm_forward(projected_.data(), attention_.data(), w.o_proj.data(), w.o_bias.data(), T,
+                                          q_size, H, attention_norm, s);
+    p.mark("o gemm+add+norm", s);
+    cuda::gated_matmul_forward(activated_.data(), cuda::GatedActivation::Silu, normed_.data(), w.gate_up.data(),
+                               w.gate_up_bias.data(), gate_up_.data(), T, H, F, s);
+    p.mark("gate|up gemm+swiglu", s);
+    // x += activated @ down^T (layer l's output: tap l); normed = rms(x, the next layer's input norm, or the
+    // final norm: tap L)
+    const cuda::ResidualNorm mlp_norm{.residual = x,
+                                      .weight = last ? final_norm_.data() : layers_[l + 1].input_norm.data(),
+                                      .normed = normed_.data(), .eps = c.rms_norm_eps, .residual_tap = tap_slot(l),
+                                      .normed_tap = last ? tap_slot(c.num_layers) : nullptr, .tap_stride = tap_stride,
+                                      .counter = norm_counter_.data()};
+    cuda::matmul_residual_rmsnorm_forward(projected_.data(), activated_.data(), w.down.data(), w.down_bias.data(), T, F,
+                                          H, mlp_norm, s);
+    p.mark("down gemm+add+norm", s);
   }
-  cuda::residual_add_rmsnorm_forward(x, projected_.data(), normed_.data(), final_norm_.data(), T, H, c.rms_norm_eps,
-                                     tap_slot(c.num_layers - 1), tap_slot(c.num_layers), tap_stride, s);
-  p.mark("add+norm", s);
   const bf16* head_input = normed_.data();
   if (shape.logit_rows != T || shape.padded) {  // not every row in order: gather the listed ones
     cuda::gather_rows_forward(head_input_.data(), normed_.data(), meta + layout_.logit_rows, shape.logit_rows, H, s);

@@ -481,6 +481,8 @@ void CudaDrafter::ensure_rows(int rows) {
   partial_lse_.resize(size_t(partial_rows) * c.gamma);
   counters_.resize(M * c.num_heads);
   CUDA_CHECK(cudaMemset(counters_.data(), 0, counters_.bytes()));
+  norm_counter_.resize(1);
+  CUDA_CHECK(cudaMemset(norm_counter_.data(), 0, norm_counter_.bytes()));
 }
 
 void CudaDrafter::draft(std::span<const CudaDraftRequest> requests, const DraftOptions& options,
@@ -663,14 +665,11 @@ void CudaDrafter::run_step(int rows, bool greedy) {
   p.mark("block rows", s);
 
   const int splits = attention_splits(B);
+  cuda::rmsnorm_forward(normed_.data(), block_.data(), layers_[0].attention_norm.data(), R, d, eps, s);
+  p.mark("norm", s);
   for (int l = 0; l < c.num_layers; ++l) {
     const Layer& w = layers_[l];
-    if (l == 0)
-      cuda::rmsnorm_forward(normed_.data(), block_.data(), w.attention_norm.data(), R, d, eps, s);
-    else  // completes layer l-1: Hd += its MLP output
-      cuda::residual_add_rmsnorm_forward(block_.data(), projected_.data(), normed_.data(), w.attention_norm.data(), R,
-                                         d, eps, nullptr, nullptr, 0, s);
-    p.mark("add+norm", s);
+    const bool last = l + 1 == c.num_layers;
     cuda::matmul_forward(kvq_.data(), cuda::MatmulOutput::BF16, normed_.data(), w.kvq.data(), nullptr, R, d, 3 * d, s);
     p.mark("k|v|q gemm", s);
     const cuda::DraftAttentionBatch batch{context_keys + long(l) * B, context_values + long(l) * B, lengths, 2L * d, B};
@@ -678,23 +677,26 @@ void CudaDrafter::run_step(int rows, bool greedy) {
                                           batch, gamma, c.num_heads, head_dim_, splits, partial_out_.data(),
                                           partial_lse_.data(), counters_.data(), s);
     p.mark("attention", s);
-    cuda::matmul_forward(projected_.data(), cuda::MatmulOutput::BF16, attention_.data(), w.o.data(), nullptr, R, d, d,
-                         s);
-    p.mark("o gemm", s);
-    cuda::residual_add_rmsnorm_forward(block_.data(), projected_.data(), normed_.data(), w.ff_norm.data(), R, d, eps,
-                                       nullptr, nullptr, 0, s);
-    p.mark("add+norm", s);
-    cuda::matmul_forward(gate_up_.data(), cuda::MatmulOutput::BF16, normed_.data(), w.gate_up.data(), nullptr, R, d,
-                         2 * inner_, s);
-    p.mark("gate|up gemm", s);
-    cuda::gelu_tanh_gate_matmul_forward(projected_.data(), cuda::MatmulOutput::BF16, gate_up_.data(), activated_.data(),
-                                        w.down.data(), nullptr, R, inner_, d, s);
-    p.mark("gelu+down gemm", s);
+    // Hd += attention @ o; normed = rms(Hd, ff_norm)
+    const cuda::ResidualNorm attention_norm{.residual = block_.data(), .weight = w.ff_norm.data(),
+                                            .normed = normed_.data(), .eps = eps, .counter = norm_counter_.data()};
+    cuda::matmul_residual_rmsnorm_forward(projected_.data(), attention_.data(), w.o.data(), nullptr, R, d, d,
+                                          attention_norm, s);
+    p.mark("o gemm+add+norm", s);
+    cuda::gated_matmul_forward(activated_.data(), cuda::GatedActivation::GeluTanh, normed_.data(), w.gate_up.data(),
+                               nullptr, gate_up_.data(), R, d, inner_, s);
+    p.mark("gate|up gemm+gelu", s);
+    // Hd += activated @ down; normed = rms(Hd, the next layer's attention norm), or h = rms(Hd, out_norm)
+    // (f32 for the head, bf16 for out_proj)
+    const cuda::ResidualNorm mlp_norm{.residual = block_.data(),
+                                      .weight = last ? out_norm_.data() : layers_[l + 1].attention_norm.data(),
+                                      .normed = normed_.data(), .eps = eps,
+                                      .normed_tap = last ? hidden_.data() : nullptr, .tap_stride = d,
+                                      .counter = norm_counter_.data()};
+    cuda::matmul_residual_rmsnorm_forward(projected_.data(), activated_.data(), w.down.data(), nullptr, R, inner_, d,
+                                          mlp_norm, s);
+    p.mark("down gemm+add+norm", s);
   }
-  // h = rms(Hd, out_norm) (f32 for the head, bf16 for out_proj); U = (h @ out_proj) @ lm_head^T.
-  cuda::residual_add_rmsnorm_forward(block_.data(), projected_.data(), normed_.data(), out_norm_.data(), R, d, eps,
-                                     nullptr, hidden_.data(), d, s);
-  p.mark("add+norm", s);
   cuda::matmul_forward(head_input_.data(), cuda::MatmulOutput::BF16, normed_.data(), out_projection_.data(), nullptr, R,
                        d, H, s);
   p.mark("out_proj gemm", s);

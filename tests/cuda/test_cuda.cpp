@@ -4,6 +4,7 @@
 // tests/tools/run_cuda_checks.sh.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -112,65 +113,158 @@ TEST(CudaOps, MatmulMatchesCpu) {
   }
 }
 
-TEST(CudaOps, SwigluMatmulMatchesCpu) {
-  for (int rows : {1, 4, 16}) {  // fused into the GEMV, or swiglu then cuBLASLt
-    const int in = 512, out_features = 256;
-    const auto gate_up = bf16_rounded(random_values(rows * 2 * in, 11, 2.0f));
-    const auto weight = bf16_rounded(random_values(out_features * in, 12));
-    std::vector<float> activated(rows * in), expected(rows * out_features);
-    for (int r = 0; r < rows; ++r)
-      cpu::swiglu_forward(activated.data() + r * in, gate_up.data() + r * 2 * in, gate_up.data() + r * 2 * in + in, in);
-    activated = bf16_rounded(activated);
-    cpu::matmul_forward(expected.data(), activated.data(), weight.data(), nullptr, rows, in, out_features);
-    auto gate_up_device = to_device_bf16(gate_up), weight_device = to_device_bf16(weight);
-    DeviceBuffer<bf16> scratch(rows * in), out(rows * out_features);
-    cuda::swiglu_matmul_forward(out.data(), cuda::MatmulOutput::BF16, gate_up_device.data(), scratch.data(),
-                                weight_device.data(), nullptr, rows, in, out_features, nullptr);
-    EXPECT_LE(relative_error(from_device(out).data(), expected.data(), expected.size()), kBf16Tolerance) << rows;
+// CPU reference of gated_matmul_forward: act(gate) * up with gate and up
+// rounded to bf16 first (they pass through the bf16 gate|up buffer).
+std::vector<float> gated_reference(cuda::GatedActivation activation, const std::vector<float>& x,
+                                   const std::vector<float>& weight, const std::vector<float>& bias, int rows, int in,
+                                   int out_features) {
+  std::vector<float> gate_up(size_t(rows) * 2 * out_features), activated(size_t(rows) * out_features);
+  cpu::matmul_forward(gate_up.data(), x.data(), weight.data(), bias.empty() ? nullptr : bias.data(), rows, in,
+                      2 * out_features);
+  gate_up = bf16_rounded(gate_up);
+  for (int r = 0; r < rows; ++r) {
+    const float* gate = gate_up.data() + size_t(r) * 2 * out_features;
+    float* out = activated.data() + size_t(r) * out_features;
+    if (activation == cuda::GatedActivation::Silu)
+      cpu::swiglu_forward(out, gate, gate + out_features, out_features);
+    else
+      cpu::gelu_tanh_gate_forward(out, gate, gate + out_features, out_features);
+  }
+  return activated;
+}
+
+TEST(CudaOps, GatedMatmulMatchesCpu) {
+  for (auto activation : {cuda::GatedActivation::Silu, cuda::GatedActivation::GeluTanh}) {
+    for (int rows : {1, 4, 16, 20}) {  // a GEMV with the activation in its epilogue, or cuBLASLt and the kernel
+      const int in = 512, out_features = 256;
+      const auto x = bf16_rounded(random_values(rows * in, 11, 2.0f));
+      const auto weight = bf16_rounded(random_values(2 * out_features * in, 12));
+      const auto bias = bf16_rounded(random_values(2 * out_features, 13));
+      const auto expected = gated_reference(activation, x, weight, bias, rows, in, out_features);
+      auto x_device = to_device_bf16(x), weight_device = to_device_bf16(weight), bias_device = to_device_bf16(bias);
+      DeviceBuffer<bf16> scratch(rows * 2 * out_features), out(rows * out_features);
+      cuda::gated_matmul_forward(out.data(), activation, x_device.data(), weight_device.data(), bias_device.data(),
+                                 scratch.data(), rows, in, out_features, nullptr);
+      EXPECT_LE(relative_error(from_device(out).data(), expected.data(), expected.size()), kBf16Tolerance) << rows;
+    }
   }
 }
 
-TEST(CudaOps, GemvWithFourFeaturesPerWarpEqualsOneFeature) {
-  // Every row count the GEMV takes, each input kind, out_features with a
-  // partial last warp and block (1003 = 4 * 250 + 3) and one of a single
-  // block: four features per warp give exactly the one-feature bits (the same
-  // summation order), and both match the CPU.
+// The operands of a residual add + norm over rows of `dim`, on the device,
+// with taps at stride 2 * dim (the residual first, the normed row second).
+struct ResidualNormOperands {
+  DeviceBuffer<float> residual, weight, taps;
+  DeviceBuffer<bf16> normed;
+  DeviceBuffer<unsigned> counter{1};
+  ResidualNormOperands(const std::vector<float>& initial, const std::vector<float>& norm_weight, int rows, int dim)
+      : residual(to_device(initial)), weight(to_device(norm_weight)), taps(size_t(rows) * 2 * dim),
+        normed(size_t(rows) * dim) {
+    CUDA_CHECK(cudaMemset(counter.data(), 0, counter.bytes()));
+  }
+  cuda::ResidualNorm operands(int dim) {
+    return {residual.data(), weight.data(), normed.data(), 1e-6f, taps.data(), taps.data() + dim, 2L * dim,
+            counter.data()};
+  }
+};
+
+TEST(CudaOps, MatmulResidualRmsnormMatchesCpu) {
+  for (int rows : {1, 4, 16, 20}) {  // the norm in a GEMV's last block, or cuBLASLt and the norm kernel
+    const int in = 512, dim = 384;
+    const auto x = bf16_rounded(random_values(rows * in, 14)), weight = bf16_rounded(random_values(dim * in, 15));
+    const auto initial = random_values(rows * dim, 16, 4.0f), norm_weight = random_values(dim, 17);
+    std::vector<float> product(rows * dim);
+    cpu::matmul_forward(product.data(), x.data(), weight.data(), nullptr, rows, in, dim);
+
+    auto x_device = to_device_bf16(x), weight_device = to_device_bf16(weight);
+    ResidualNormOperands norm(initial, norm_weight, rows, dim);
+    DeviceBuffer<bf16> delta(rows * dim);
+    cuda::matmul_residual_rmsnorm_forward(delta.data(), x_device.data(), weight_device.data(), nullptr, rows, in, dim,
+                                          norm.operands(dim), nullptr);
+    // The delta is the product in bf16; the residual and the norm follow from the delta as computed.
+    std::vector<float> summed = from_device(delta), expected(rows * dim);
+    EXPECT_LE(relative_error(summed.data(), product.data(), product.size()), kBf16Tolerance) << rows;
+    cpu::residual_add(summed.data(), initial.data(), summed.size());
+    cpu::rmsnorm_forward(expected.data(), summed.data(), norm_weight.data(), rows, dim, 1e-6f);
+    EXPECT_EQ(from_device(norm.residual), summed) << rows;
+    EXPECT_LE(relative_error(from_device(norm.normed).data(), expected.data(), expected.size()), kBf16Tolerance)
+        << rows;
+    const auto taps = from_device(norm.taps);
+    for (int r = 0; r < rows; ++r) {
+      EXPECT_TRUE(std::equal(summed.begin() + r * dim, summed.begin() + (r + 1) * dim, taps.begin() + r * 2 * dim))
+          << rows;
+      EXPECT_LE(relative_error(taps.data() + r * 2 * dim + dim, expected.data() + r * dim, dim), 1e-5) << rows;
+    }
+    EXPECT_EQ(from_device(norm.counter)[0], 0u);
+  }
+}
+
+TEST(CudaOps, GemvKernelsMatchCpuAndTheirFusedEpiloguesEqualTheUnfusedKernels) {
+  // Each GEMV kernel at every row count it takes, out_features with a partial
+  // last warp and block (1004 = 4 * 251 = 16 * 62 + 12) and one of a single
+  // block. The plain product matches the CPU; four features per warp give
+  // exactly the one-feature bits (the same summation order); a fused epilogue
+  // gives exactly the bits of the kernel's plain product followed by the
+  // activation or norm kernel.
+  using cuda::GemvKernel;
   const int in = 256;
-  for (auto input : {cuda::GemvInput::Plain, cuda::GemvInput::Swiglu, cuda::GemvInput::GeluTanh}) {
-    const int width = input == cuda::GemvInput::Plain ? in : 2 * in;
-    for (int rows = 1; rows <= 8; ++rows) {
-      for (int out_features : {1003, 24}) {
-        const auto x = bf16_rounded(random_values(rows * width, 110 + rows, 2.0f));
-        const auto weight = bf16_rounded(random_values(out_features * in, 111));
-        const auto bias = bf16_rounded(random_values(out_features, 112));
-        std::vector<float> activated(x), expected(rows * out_features);
-        if (input != cuda::GemvInput::Plain) {
-          activated.resize(rows * in);
-          for (int r = 0; r < rows; ++r) {
-            const float* gate = x.data() + r * width;
-            if (input == cuda::GemvInput::Swiglu)
-              cpu::swiglu_forward(activated.data() + r * in, gate, gate + in, in);
-            else
-              cpu::gelu_tanh_gate_forward(activated.data() + r * in, gate, gate + in, in);
-          }
-          activated = bf16_rounded(activated);
+  for (int rows = 1; rows <= 16; ++rows) {
+    for (int out_features : {1004, 24}) {
+      const auto x = bf16_rounded(random_values(rows * in, 110 + rows, 2.0f));
+      const auto weight = bf16_rounded(random_values(2 * out_features * in, 111));
+      const auto bias = bf16_rounded(random_values(2 * out_features, 112));
+      auto x_device = to_device_bf16(x), weight_device = to_device_bf16(weight), bias_device = to_device_bf16(bias);
+      std::vector<float> expected(size_t(rows) * 2 * out_features);
+      cpu::matmul_forward(expected.data(), x.data(), weight.data(), bias.data(), rows, in, 2 * out_features);
+      const auto initial = random_values(rows * out_features, 113, 4.0f), norm_weight = random_values(out_features, 114);
+      std::vector<float> one_feature;
+      for (GemvKernel kernel : {GemvKernel::OneFeaturePerWarp, GemvKernel::FourFeaturesPerWarp, GemvKernel::TensorCores}) {
+        if (kernel != GemvKernel::TensorCores && rows > 8) continue;
+        const std::string what =
+            std::to_string(rows) + " x " + std::to_string(out_features) + ", kernel " + std::to_string(int(kernel));
+        auto gemv = [&](void* out, cuda::MatmulOutput type, cuda::GemvEpilogue epilogue, int width,
+                        const cuda::ResidualNorm& norm) {
+          cuda::gemv_matmul_forward(out, type, epilogue, kernel, x_device.data(), weight_device.data(),
+                                    bias_device.data(), rows, in, width, norm, nullptr);
+        };
+        // Store, over the whole gate|up weight.
+        DeviceBuffer<float> stored(size_t(rows) * 2 * out_features);
+        gemv(stored.data(), cuda::MatmulOutput::F32, cuda::GemvEpilogue::Store, 2 * out_features, {});
+        const auto values = from_device(stored);
+        EXPECT_LE(relative_error(values.data(), expected.data(), expected.size()), 1e-5) << what;
+        if (kernel == GemvKernel::OneFeaturePerWarp) one_feature = values;
+        if (kernel == GemvKernel::FourFeaturesPerWarp) {
+          EXPECT_EQ(values, one_feature) << what;
         }
-        cpu::matmul_forward(expected.data(), activated.data(), weight.data(), bias.data(), rows, in, out_features);
-        auto x_device = to_device_bf16(x), weight_device = to_device_bf16(weight), bias_device = to_device_bf16(bias);
-        std::vector<std::vector<float>> results;
-        for (int features : {1, 4}) {
-          DeviceBuffer<float> out(rows * out_features);
-          cuda::gemv_matmul_forward(out.data(), cuda::MatmulOutput::F32, input, x_device.data(), weight_device.data(),
-                                    bias_device.data(), rows, in, out_features, features, nullptr);
-          results.push_back(from_device(out));
+        DeviceBuffer<bf16> gate_up(size_t(rows) * 2 * out_features);
+        gemv(gate_up.data(), cuda::MatmulOutput::BF16, cuda::GemvEpilogue::Store, 2 * out_features, {});
+
+        // Gated: this kernel's gate|up, then the activation kernel.
+        for (auto epilogue : {cuda::GemvEpilogue::Silu, cuda::GemvEpilogue::GeluTanh}) {
+          DeviceBuffer<bf16> unfused(size_t(rows) * out_features), fused(size_t(rows) * out_features);
+          if (epilogue == cuda::GemvEpilogue::Silu)
+            cuda::swiglu_forward(unfused.data(), gate_up.data(), rows, out_features, nullptr);
+          else
+            cuda::gelu_tanh_gate_forward(unfused.data(), gate_up.data(), rows, out_features, nullptr);
+          gemv(fused.data(), cuda::MatmulOutput::BF16, epilogue, out_features, {});
+          EXPECT_EQ(from_device(fused), from_device(unfused)) << what << ", epilogue " << int(epilogue);
         }
-        const std::string what = "input " + std::to_string(int(input)) + ", " + std::to_string(rows) + " x " +
-                                 std::to_string(out_features);
-        EXPECT_EQ(results[1], results[0]) << what;
-        // Plain: f32 sums of the same bf16 products; gated: an activation may round to the other bf16 neighbour.
-        EXPECT_LE(relative_error(results[0].data(), expected.data(), expected.size()),
-                  input == cuda::GemvInput::Plain ? 1e-5 : kBf16Tolerance)
-            << what;
+
+        // ResidualNorm: this kernel's product over the first out_features rows, then the norm kernel.
+        ResidualNormOperands separate(initial, norm_weight, rows, out_features), fused(initial, norm_weight, rows,
+                                                                                       out_features);
+        DeviceBuffer<bf16> delta(size_t(rows) * out_features), fused_delta(size_t(rows) * out_features);
+        gemv(delta.data(), cuda::MatmulOutput::BF16, cuda::GemvEpilogue::Store, out_features, {});
+        const cuda::ResidualNorm unfused = separate.operands(out_features);
+        cuda::residual_add_rmsnorm_forward(unfused.residual, delta.data(), unfused.normed, unfused.weight, rows,
+                                           out_features, unfused.eps, unfused.residual_tap, unfused.normed_tap,
+                                           unfused.tap_stride, nullptr);
+        gemv(fused_delta.data(), cuda::MatmulOutput::BF16, cuda::GemvEpilogue::ResidualNorm, out_features,
+             fused.operands(out_features));
+        EXPECT_EQ(from_device(fused_delta), from_device(delta)) << what;
+        EXPECT_EQ(from_device(fused.residual), from_device(separate.residual)) << what;
+        EXPECT_EQ(from_device(fused.normed), from_device(separate.normed)) << what;
+        EXPECT_EQ(from_device(fused.taps), from_device(separate.taps)) << what;
+        EXPECT_EQ(from_device(fused.counter)[0], 0u) << what;
       }
     }
   }
@@ -259,10 +353,11 @@ TEST(CudaOps, PagedAttentionMatchesCpu) {
   auto table_row_device = to_device(table_rows), table_device = to_device(table);
   cuda::AttentionBatch batch{start_device.data(), query_length_device.data(), length_device.data(),
                              table_row_device.data(), table_device.data(), max_blocks, 3, 9};
-  // Splits sit at fixed positions (kSplitTiles tiles each): the fewest that
-  // cover the longest sequence, and more (those past a sequence's end add nothing).
+  // One split (one CTA covers every position), or splits at fixed positions
+  // (kSplitTiles tiles each): the fewest that cover the longest sequence, and
+  // more (those past a sequence's end add nothing).
   const int fewest = (200 + cuda::kSplitTiles * cuda::kBlockSize - 1) / (cuda::kSplitTiles * cuda::kBlockSize);
-  for (int splits : {fewest, fewest + 1, 16}) {
+  for (int splits : {1, fewest, fewest + 1, 16}) {
     DeviceBuffer<bf16> out(total_rows * heads * head_dim);
     DeviceBuffer<float> partial_out(splits * total_rows * heads * head_dim), partial_lse(splits * total_rows * heads);
     cuda::attention_forward(out.data(), q_device.data(), keys_device.data(), values_device.data(), batch, total_rows,

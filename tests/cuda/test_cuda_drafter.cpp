@@ -77,25 +77,6 @@ TEST(CudaDraftOps, GeluTanhGateMatchesCpu) {
   EXPECT_LE(relative_error(from_device(out).data(), expected.data(), expected.size()), kBf16Tolerance);
 }
 
-TEST(CudaDraftOps, GeluTanhGateMatmulMatchesCpu) {
-  for (int rows : {1, 4, 16}) {  // fused into the GEMV, or the activation then cuBLASLt
-    const int in = 512, out_features = 256;
-    const auto gate_up = bf16_rounded(random_values(rows * 2 * in, 61, 2.0f));
-    const auto weight = bf16_rounded(random_values(out_features * in, 62));
-    std::vector<float> activated(rows * in), expected(rows * out_features);
-    for (int r = 0; r < rows; ++r)
-      cpu::gelu_tanh_gate_forward(activated.data() + r * in, gate_up.data() + r * 2 * in,
-                                  gate_up.data() + r * 2 * in + in, in);
-    activated = bf16_rounded(activated);
-    cpu::matmul_forward(expected.data(), activated.data(), weight.data(), nullptr, rows, in, out_features);
-    auto gate_up_device = to_device_bf16(gate_up), weight_device = to_device_bf16(weight);
-    DeviceBuffer<bf16> scratch(rows * in), out(rows * out_features);
-    cuda::gelu_tanh_gate_matmul_forward(out.data(), cuda::MatmulOutput::BF16, gate_up_device.data(), scratch.data(),
-                                        weight_device.data(), nullptr, rows, in, out_features, nullptr);
-    EXPECT_LE(relative_error(from_device(out).data(), expected.data(), expected.size()), kBf16Tolerance) << rows;
-  }
-}
-
 template <class Weight>
 void check_matmul_in_out(bool bf16_weight) {
   for (int rows : {1, 3, 8, 13}) {

@@ -5,8 +5,9 @@
 namespace dspark::cuda {
 namespace {
 
-constexpr int kWarps = 4;
-
+// 16 warps, one query row each: a verify block's rows (up to 16 per kv head
+// and CTA) are scored in parallel instead of four after one another per warp.
+constexpr int kWarps = 16;
 constexpr int kRowsPerWarp = kAttentionRowsPerBlock / kWarps;
 
 // grid: x = KV split, y = kv head, z = sequence * row_blocks + row block.
@@ -45,8 +46,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   // a fraction of this step's range: a query's keys are then reduced in the
   // same order whatever else the step holds (a 1-token decode, a verify block,
   // other sequences), so decode and verify agree to the bit.
-  const int tile_begin = split * kSplitTiles;
-  const int tile_end = min(tiles, tile_begin + kSplitTiles);
+  // One split: the whole range (a prefill chunk, whose many rows fill the GPU).
+  const int tile_begin = splits == 1 ? 0 : split * kSplitTiles;
+  const int tile_end = splits == 1 ? tiles : min(tiles, tile_begin + kSplitTiles);
 #pragma unroll
   for (int i = threadIdx.x; i < kAttentionRowsPerBlock * HEAD_DIM; i += kWarps * 32) {  // unrolled: loads overlap
     const int local = i / HEAD_DIM, row = first_row + local;

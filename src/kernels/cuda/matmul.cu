@@ -2,37 +2,50 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cuda/activation.h"
+#include "kernels/cuda/buffer.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/matmul.h"
+#include "kernels/cuda/rmsnorm.cuh"
+#include "kernels/cuda/rmsnorm.h"
 
 namespace dspark::cuda {
 namespace {
 
 constexpr size_t kWorkspaceBytes = 32u << 20;
 
-// How one shape runs (MatmulContext::choose): cuBLASLt, or the GEMV with 1
-// or 4 output features per warp. A gated GEMV either computes act(gate) * up
-// itself for every output feature it owns (fused: one launch) or reads it from
-// the activation kernel's output (unfused: computed once; wins where the gated
-// input is wide and the output narrow, as in the drafter's down projection,
-// 4096 -> 1024 at 7 rows: 1024 warps each evaluating 7 x 4096 gelu_tanh).
+// How one shape runs (MatmulContext::choose): cuBLASLt (plus the separate
+// activation or norm kernel its epilogue needs), or a GEMV (on the CUDA cores
+// with 1 or 4 output features per warp, or on the tensor cores) with the
+// epilogue fused in or, where that is slower (the fused norm runs in one
+// block: at 8 rows it costs more than its launch saves), followed by it.
 struct MatmulPath {
-  bool gemv = false;
-  int features_per_warp = 1;
-  bool fused = true;
+  GemvKernel gemv = GemvKernel::None;  // None: cuBLASLt
+  bool fused = true;                   // GEMV: the epilogue in the kernel, or the plain product then its kernel
 };
 
-// (rows, in, out, output type, bias, gate): a shape's choice of MatmulPath.
+// What a product does with its sums:
+//  Store: out = the product (+ bias);
+//  Silu, GeluTanh: out = act(gate) * up, the weight being gate|up
+//    [2 * out_features, in]: the GEMV sums feature f's gate row and up row in
+//    one warp; cuBLASLt writes gate|up to scratch for the activation kernel.
+//    Gate and up are rounded to bf16 before the activation either way;
+//  ResidualNorm: Store, then residual_add_rmsnorm_forward on the product: in
+//    the GEMV, by the grid's last block to finish.
+using Epilogue = GemvEpilogue;
+
+// (rows, in, out, output type, bias, epilogue): a shape's choice of MatmulPath.
 using PathKey = std::tuple<int, int, int, MatmulOutput, bool, int>;
 
 struct Plan {
@@ -50,146 +63,319 @@ struct Plan {
 // timed every way once and the fastest kept (MatmulContext::choose below).
 constexpr int kGemvMaxRows = 8;
 constexpr int kGemvWarps = 8;
+static_assert(kGemvWarps * 32 == kResidualNormThreads, "the GEMV's last block runs the norm's row code");
 
-// What the GEMV's input is: x itself, or a gated activation of x = gate|up.
-enum class Gate { None, Silu, GeluTanh };
-
-template <Gate GATE>
+template <Epilogue EPILOGUE>
 __device__ __forceinline__ float gated(float gate, float up) {
-  if constexpr (GATE == Gate::Silu) return gate / (1.0f + __expf(-gate)) * up;
-  return gelu_tanh(gate) * up;
+  if constexpr (EPILOGUE == Epilogue::Silu) return gate / (1.0f + __expf(-gate)) * up;  // as swiglu_forward
+  return gelu_tanh(gate) * up;                                                         // as gelu_tanh_gate_forward
 }
 
-// A gated GATE: x is [ROWS, 2 * in] gate|up and the input is act(gate) * up,
-// so the down projection needs no separate activation kernel.
-//
-// FEATURES output features per warp: each activation load (and, gated, each
-// act(gate) * up) then serves FEATURES weight rows instead of one. With many
-// rows the one-feature GEMV spends its time re-reading the activations from
-// L1, ROWS times the bytes of the weight stream (the drafter's LM head: 7 block
-// rows x 151936 features, 654 us for 1.2 GB of weights at batch 1); four
-// features cut that to a quarter. A feature's sum is accumulated in the same
-// order either way (lane by lane over k, then the warp sum).
-template <int ROWS, int FEATURES, Gate GATE>
+template <int VECTORS>
+__device__ void residual_norm_rows(const ResidualNorm& norm, const bf16* delta, int rows, int dim, float* scratch) {
+  for (int r = 0; r < rows; ++r)
+    residual_add_rmsnorm_row<VECTORS>(norm.residual + long(r) * dim, delta + long(r) * dim,
+                                      norm.normed + long(r) * dim, norm.weight, dim, norm.eps,
+                                      norm.residual_tap ? norm.residual_tap + r * norm.tap_stride : nullptr,
+                                      norm.normed_tap ? norm.normed_tap + r * norm.tap_stride : nullptr, scratch);
+}
+
+// The ResidualNorm epilogue, after a block has written its part of `delta`:
+// the grid's last block to finish adds every row into the residual stream and
+// norms it (every block must call this).
+__device__ void finish_residual_norm(const ResidualNorm& norm, const bf16* delta, int rows, int dim, int vectors) {
+  __shared__ float scratch[32];
+  __shared__ bool last;
+  __threadfence();  // this block's outputs are visible device-wide before its ticket is
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(norm.counter, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  switch (vectors) {
+    case 1: residual_norm_rows<1>(norm, delta, rows, dim, scratch); break;
+    case 2: residual_norm_rows<2>(norm, delta, rows, dim, scratch); break;
+    case 4: residual_norm_rows<4>(norm, delta, rows, dim, scratch); break;
+    default: residual_norm_rows<8>(norm, delta, rows, dim, scratch); break;
+  }
+  if (threadIdx.x == 0) *norm.counter = 0;  // ready for the next launch
+}
+
+// FEATURES output features per warp: each activation load then serves
+// FEATURES weight rows instead of one. With many rows the one-feature GEMV
+// spends its time re-reading the activations from L1, ROWS times the bytes of
+// the weight stream (the drafter's LM head: 7 block rows x 151936 features,
+// 654 us for 1.2 GB of weights at batch 1); four features cut that to a
+// quarter. A feature's sum is accumulated in the same order either way (lane
+// by lane over k, then the warp sum). A gated EPILOGUE doubles the weight
+// rows per warp (each feature's gate row and up row).
+// residual_norm_vectors: ResidualNorm's VECTORS (residual_norm_vectors()).
+template <int ROWS, int FEATURES, Epilogue EPILOGUE>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     gemv_kernel(void* out, bool out_f32, const bf16* x, const bf16* weight, const bf16* bias, int in,
-                int out_features) {
-  constexpr bool kGated = GATE != Gate::None;
+                int out_features, ResidualNorm norm, int residual_norm_vectors) {
+  constexpr bool kGated = EPILOGUE == Epilogue::Silu || EPILOGUE == Epilogue::GeluTanh;
+  constexpr int kWeightRows = kGated ? 2 * FEATURES : FEATURES;
   const int lane = threadIdx.x & 31;
   const int first_feature = (blockIdx.x * kGemvWarps + (threadIdx.x >> 5)) * FEATURES;
-  if (first_feature >= out_features) return;
   const int features = min(FEATURES, out_features - first_feature);  // the same for the whole warp
-  const bf16* rows = weight + static_cast<long>(first_feature) * in;
-  const long x_stride = kGated ? 2L * in : in;
-  float sums[ROWS][FEATURES] = {};
-#pragma unroll(FEATURES == 1 ? 8 : 2)
-  for (int k = lane * 8; k < in; k += 32 * 8) {
-    uint4 packed[FEATURES];
+  if (features > 0) {  // (not returning: ResidualNorm's blocks all reach the count below)
+    // Weight row j: feature first_feature + j % FEATURES, its up row for j >= FEATURES when gated.
+    const bf16* rows[kWeightRows];
 #pragma unroll
-    for (int f = 0; f < FEATURES; ++f)  // streamed once: keep it out of L1
-      packed[f] = FEATURES == 1 || f < features
-                      ? __ldcs(reinterpret_cast<const uint4*>(rows + static_cast<long>(f) * in + k))
-                      : make_uint4(0, 0, 0, 0);
+    for (int j = 0; j < kWeightRows; ++j)
+      rows[j] = weight + (static_cast<long>(first_feature + j % FEATURES) + (j >= FEATURES ? out_features : 0)) * in;
+    float sums[ROWS][kWeightRows] = {};
+#pragma unroll(FEATURES == 1 && !kGated ? 8 : 2)
+    for (int k = lane * 8; k < in; k += 32 * 8) {
+      uint4 packed[kWeightRows];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      float2 input[4];
-      const uint4 activation = __ldg(reinterpret_cast<const uint4*>(x + r * x_stride + k));
-      const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&activation);
-      if constexpr (kGated) {
-        const uint4 up_packed = __ldg(reinterpret_cast<const uint4*>(x + r * x_stride + in + k));
-        const __nv_bfloat162* u = reinterpret_cast<const __nv_bfloat162*>(&up_packed);
+      for (int j = 0; j < kWeightRows; ++j)  // streamed once: keep it out of L1
+        packed[j] = FEATURES == 1 || j % FEATURES < features
+                        ? __ldcs(reinterpret_cast<const uint4*>(rows[j] + k))
+                        : make_uint4(0, 0, 0, 0);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 gf = __bfloat1622float2(a[j]), uf = __bfloat1622float2(u[j]);
-          // rounded to bf16 as the unfused path's activation buffer is
-          input[j] = __bfloat1622float2(__floats2bfloat162_rn(gated<GATE>(gf.x, uf.x), gated<GATE>(gf.y, uf.y)));
-        }
-      } else {
+      for (int r = 0; r < ROWS; ++r) {
+        const uint4 activation = __ldg(reinterpret_cast<const uint4*>(x + static_cast<long>(r) * in + k));
+        const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&activation);
+        float2 input[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) input[j] = __bfloat1622float2(a[j]);
-      }
+        for (int i = 0; i < 4; ++i) input[i] = __bfloat1622float2(a[i]);
 #pragma unroll
-      for (int f = 0; f < FEATURES; ++f) {
-        const __nv_bfloat162* w = reinterpret_cast<const __nv_bfloat162*>(&packed[f]);
+        for (int j = 0; j < kWeightRows; ++j) {
+          const __nv_bfloat162* w = reinterpret_cast<const __nv_bfloat162*>(&packed[j]);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 wf = __bfloat1622float2(w[j]);
-          sums[r][f] += wf.x * input[j].x + wf.y * input[j].y;
+          for (int i = 0; i < 4; ++i) {
+            const float2 wf = __bfloat1622float2(w[i]);
+            sums[r][j] += wf.x * input[i].x + wf.y * input[i].y;
+          }
         }
       }
     }
-  }
 #pragma unroll
-  for (int f = 0; f < FEATURES; ++f) {
-    if (f >= features) break;  // uniform across the warp: the shuffles below stay converged
-    const int feature = first_feature + f;
+    for (int f = 0; f < FEATURES; ++f) {
+      if (f >= features) break;  // uniform across the warp: the shuffles below stay converged
+      const int feature = first_feature + f;
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      float total = warp_sum(sums[r][f]);
-      if (lane == 0) {
+      for (int r = 0; r < ROWS; ++r) {
+        float total = warp_sum(sums[r][f]);
         if (bias) total += __bfloat162float(bias[feature]);
         const long index = static_cast<long>(r) * out_features + feature;
-        if (out_f32)
-          static_cast<float*>(out)[index] = total;
-        else
-          static_cast<bf16*>(out)[index] = __float2bfloat16(total);
+        if constexpr (kGated) {
+          float up = warp_sum(sums[r][FEATURES + f]);
+          if (bias) up += __bfloat162float(bias[out_features + feature]);
+          const float gate_rounded = __bfloat162float(__float2bfloat16(total));
+          const float up_rounded = __bfloat162float(__float2bfloat16(up));
+          if (lane == 0) static_cast<bf16*>(out)[index] = __float2bfloat16(gated<EPILOGUE>(gate_rounded, up_rounded));
+        } else if (lane == 0) {
+          if (out_f32)
+            static_cast<float*>(out)[index] = total;
+          else
+            static_cast<bf16*>(out)[index] = __float2bfloat16(total);
+        }
       }
     }
   }
+  if constexpr (EPILOGUE == Epilogue::ResidualNorm)
+    finish_residual_norm(norm, static_cast<const bf16*>(out), ROWS, out_features, residual_norm_vectors);
 }
 
-template <int ROWS, int FEATURES, Gate GATE>
+template <int ROWS, Epilogue EPILOGUE>
 void launch_gemv(void* out, bool out_f32, const bf16* x, const bf16* weight, const bf16* bias, int in, int out_features,
-                 cudaStream_t stream) {
-  const int blocks = ceil_div(out_features, kGemvWarps * FEATURES);
-  gemv_kernel<ROWS, FEATURES, GATE>
-      <<<blocks, kGemvWarps * 32, 0, stream>>>(out, out_f32, x, weight, bias, in, out_features);
+                 int features_per_warp, const ResidualNorm& norm, cudaStream_t stream) {
+  const int vectors = EPILOGUE == Epilogue::ResidualNorm ? residual_norm_vectors(out_features, norm.tap_stride) : 0;
+  if (features_per_warp == 4)
+    gemv_kernel<ROWS, 4, EPILOGUE><<<ceil_div(out_features, kGemvWarps * 4), kGemvWarps * 32, 0, stream>>>(
+        out, out_f32, x, weight, bias, in, out_features, norm, vectors);
+  else
+    gemv_kernel<ROWS, 1, EPILOGUE><<<ceil_div(out_features, kGemvWarps), kGemvWarps * 32, 0, stream>>>(
+        out, out_f32, x, weight, bias, in, out_features, norm, vectors);
   CUDA_CHECK_LAUNCH();
 }
 
-bool gemv_possible(int rows, int in) {
+// Up to 16 rows on the tensor cores: mma.sync m16n8k16 (bf16 operands, f32
+// accumulation) with 16 weight rows as the A operand and the activation rows
+// as its n columns (two n tiles for 9-16 rows). The CUDA-core GEMV spends an
+// FMA and a conversion per weight, row and element and runs out of issue
+// slots from a few rows (verify blocks); here the rows cost tensor-core
+// cycles, which are plentiful, and the kernel stays bound by the weight stream.
+// A block owns 16 weight rows: 16 output features, or, gated, 8 features'
+// gate rows and their 8 up rows (fragment rows g and g + 8 of lane (g, c) =
+// (lane / 4, lane % 4), so one lane holds a feature's gate and up sums). Its
+// kMmaWarps warps split K in chunks of 32 and meet in shared memory. Lane
+// (g, c) loads 16 bytes of weight rows g and g + 8 and of activation row g at
+// k + 8c; both operands see K in the same permuted order (the mma's k 2c,
+// 2c+1, 2c+8, 2c+9 are elements 0-3 of those 16 bytes, and the second mma's
+// are elements 4-7), which the sum does not notice.
+constexpr int kMmaWarps = 8;
+constexpr int kMmaMaxRows = 16;
+
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <int TILES, Epilogue EPILOGUE>
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    tensor_gemv_kernel(void* out, bool out_f32, const bf16* x, const bf16* weight, const bf16* bias, int rows, int in,
+                       int out_features, ResidualNorm norm, int residual_norm_vectors) {
+  constexpr bool kGated = EPILOGUE == Epilogue::Silu || EPILOGUE == Epilogue::GeluTanh;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  // Fragment rows g and g + 8: output features (gated: feature g's gate and up rows).
+  const int first = blockIdx.x * (kGated ? 8 : 16);
+  const int low = first + g, high = kGated ? first + g : first + g + 8;
+  const bool low_valid = low < out_features, high_valid = high < out_features;
+  const bf16* low_row = weight + static_cast<long>(low_valid ? low : 0) * in + 8 * c;
+  const bf16* high_row = weight + (static_cast<long>(high_valid ? high : 0) + (kGated ? out_features : 0)) * in + 8 * c;
+  const bf16* x_rows[TILES];
+#pragma unroll
+  for (int t = 0; t < TILES; ++t) x_rows[t] = x + static_cast<long>(min(t * 8 + g, rows - 1)) * in + 8 * c;
+  float sums[TILES][4] = {};
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+#pragma unroll 4
+  for (int k = warp * 32; k < in; k += kMmaWarps * 32) {
+    const uint4 a_low = low_valid ? __ldcs(reinterpret_cast<const uint4*>(low_row + k)) : zero;
+    const uint4 a_high = high_valid ? __ldcs(reinterpret_cast<const uint4*>(high_row + k)) : zero;
+#pragma unroll
+    for (int t = 0; t < TILES; ++t) {
+      // rows past `rows` repeat the last row: their columns are never stored
+      const uint4 b = __ldg(reinterpret_cast<const uint4*>(x_rows[t] + k));
+      mma_m16n8k16(sums[t], a_low.x, a_high.x, a_low.y, a_high.y, b.x, b.y);
+      mma_m16n8k16(sums[t], a_low.z, a_high.z, a_low.w, a_high.w, b.z, b.w);
+    }
+  }
+  __shared__ float partial[kMmaWarps][TILES][4][32];
+#pragma unroll
+  for (int t = 0; t < TILES; ++t)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) partial[warp][t][i][lane] = sums[t][i];
+  __syncthreads();
+  if (warp == 0) {
+    // Lane (g, c) holds fragment rows g (i = 0, 1) and g + 8 (i = 2, 3) for columns 2c and 2c + 1.
+#pragma unroll
+    for (int t = 0; t < TILES; ++t) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int row = t * 8 + 2 * c + j;
+        if (row >= rows) continue;
+        float low_sum = 0.0f, high_sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kMmaWarps; ++w) low_sum += partial[w][t][j][lane], high_sum += partial[w][t][2 + j][lane];
+        if constexpr (kGated) {
+          if (!low_valid) continue;
+          if (bias) {
+            low_sum += __bfloat162float(bias[low]);
+            high_sum += __bfloat162float(bias[out_features + low]);
+          }
+          // rounded to bf16 as the gate|up buffer of the unfused path is
+          const float gate = __bfloat162float(__float2bfloat16(low_sum));
+          const float up = __bfloat162float(__float2bfloat16(high_sum));
+          static_cast<bf16*>(out)[static_cast<long>(row) * out_features + low] =
+              __float2bfloat16(gated<EPILOGUE>(gate, up));
+        } else {
+          auto store = [&](int feature, float total) {
+            if (bias) total += __bfloat162float(bias[feature]);
+            const long index = static_cast<long>(row) * out_features + feature;
+            if (out_f32)
+              static_cast<float*>(out)[index] = total;
+            else
+              static_cast<bf16*>(out)[index] = __float2bfloat16(total);
+          };
+          if (low_valid) store(low, low_sum);
+          if (high_valid) store(high, high_sum);
+        }
+      }
+    }
+  }
+  if constexpr (EPILOGUE == Epilogue::ResidualNorm)
+    finish_residual_norm(norm, static_cast<const bf16*>(out), rows, out_features, residual_norm_vectors);
+}
+
+template <Epilogue EPILOGUE>
+void tensor_gemv_forward(void* out, MatmulOutput out_type, const bf16* x, const bf16* weight, const bf16* bias,
+                         int rows, int in, int out_features, const ResidualNorm& norm, cudaStream_t stream) {
+  constexpr bool kGated = EPILOGUE == Epilogue::Silu || EPILOGUE == Epilogue::GeluTanh;
+  const int vectors = EPILOGUE == Epilogue::ResidualNorm ? residual_norm_vectors(out_features, norm.tap_stride) : 0;
+  const int blocks = ceil_div(out_features, kGated ? 8 : 16);
+  const bool f32 = out_type == MatmulOutput::F32;
+  if (rows <= 8)
+    tensor_gemv_kernel<1, EPILOGUE><<<blocks, kMmaWarps * 32, 0, stream>>>(out, f32, x, weight, bias, rows, in,
+                                                                           out_features, norm, vectors);
+  else
+    tensor_gemv_kernel<2, EPILOGUE><<<blocks, kMmaWarps * 32, 0, stream>>>(out, f32, x, weight, bias, rows, in,
+                                                                           out_features, norm, vectors);
+  CUDA_CHECK_LAUNCH();
+}
+
+// The GEMV kernels that can run a shape (DSPARK_GEMV=0: none, cuBLASLt only).
+std::vector<GemvKernel> gemv_kernels(int rows, int in) {
   static const bool enabled = [] {
     const char* setting = std::getenv("DSPARK_GEMV");
     return !setting || std::string(setting) != "0";
   }();
-  return enabled && rows <= kGemvMaxRows && in % 8 == 0;
+  std::vector<GemvKernel> kernels;
+  if (!enabled) return kernels;
+  if (rows <= kGemvMaxRows && in % 8 == 0) {
+    kernels.push_back(GemvKernel::OneFeaturePerWarp);
+    kernels.push_back(GemvKernel::FourFeaturesPerWarp);
+  }
+  if (rows <= kMmaMaxRows && in % 32 == 0) kernels.push_back(GemvKernel::TensorCores);
+  return kernels;
 }
 
-template <int ROWS, Gate GATE>
-void launch_gemv(void* out, bool out_f32, const bf16* x, const bf16* weight, const bf16* bias, int in, int out_features,
-                 int features_per_warp, cudaStream_t stream) {
-  if (features_per_warp == 4)
-    launch_gemv<ROWS, 4, GATE>(out, out_f32, x, weight, bias, in, out_features, stream);
-  else
-    launch_gemv<ROWS, 1, GATE>(out, out_f32, x, weight, bias, in, out_features, stream);
-}
-
-template <Gate GATE>
+template <Epilogue EPILOGUE>
 void gemv_forward(void* out, MatmulOutput out_type, const bf16* x, const bf16* weight, const bf16* bias, int rows,
-                  int in, int out_features, int features_per_warp, cudaStream_t stream) {
+                  int in, int out_features, int features_per_warp, const ResidualNorm& norm, cudaStream_t stream) {
   const bool f32 = out_type == MatmulOutput::F32;
   const int f = features_per_warp;
   switch (rows) {
     case 1:
-      return launch_gemv<1, GATE>(out, f32, x, weight, bias, in, out_features, f, stream);
+      return launch_gemv<1, EPILOGUE>(out, f32, x, weight, bias, in, out_features, f, norm, stream);
     case 2:
-      return launch_gemv<2, GATE>(out, f32, x, weight, bias, in, out_features, f, stream);
+      return launch_gemv<2, EPILOGUE>(out, f32, x, weight, bias, in, out_features, f, norm, stream);
     case 3:
-      return launch_gemv<3, GATE>(out, f32, x, weight, bias, in, out_features, f, stream);
+      return launch_gemv<3, EPILOGUE>(out, f32, x, weight, bias, in, out_features, f, norm, stream);
     case 4:
-      return launch_gemv<4, GATE>(out, f32, x, weight, bias, in, out_features, f, stream);
+      return launch_gemv<4, EPILOGUE>(out, f32, x, weight, bias, in, out_features, f, norm, stream);
     case 5:
-      return launch_gemv<5, GATE>(out, f32, x, weight, bias, in, out_features, f, stream);
+      return launch_gemv<5, EPILOGUE>(out, f32, x, weight, bias, in, out_features, f, norm, stream);
     case 6:
-      return launch_gemv<6, GATE>(out, f32, x, weight, bias, in, out_features, f, stream);
+      return launch_gemv<6, EPILOGUE>(out, f32, x, weight, bias, in, out_features, f, norm, stream);
     case 7:
-      return launch_gemv<7, GATE>(out, f32, x, weight, bias, in, out_features, f, stream);
+      return launch_gemv<7, EPILOGUE>(out, f32, x, weight, bias, in, out_features, f, norm, stream);
     default:
-      return launch_gemv<8, GATE>(out, f32, x, weight, bias, in, out_features, f, stream);
+      return launch_gemv<8, EPILOGUE>(out, f32, x, weight, bias, in, out_features, f, norm, stream);
+  }
+}
+
+void gemv_path(void* out, MatmulOutput out_type, Epilogue epilogue, const bf16* x, const bf16* weight,
+               const bf16* bias, int rows, int in_features, int out_features, GemvKernel kernel,
+               const ResidualNorm& norm, cudaStream_t stream) {
+  const auto run = [&](auto kind) {
+    constexpr Epilogue kEpilogue = decltype(kind)::value;
+    if (kernel == GemvKernel::TensorCores)
+      tensor_gemv_forward<kEpilogue>(out, out_type, x, weight, bias, rows, in_features, out_features, norm, stream);
+    else
+      gemv_forward<kEpilogue>(out, out_type, x, weight, bias, rows, in_features, out_features,
+                              kernel == GemvKernel::FourFeaturesPerWarp ? 4 : 1, norm, stream);
+  };
+  switch (epilogue) {
+    case Epilogue::Store: return run(std::integral_constant<Epilogue, Epilogue::Store>{});
+    case Epilogue::Silu: return run(std::integral_constant<Epilogue, Epilogue::Silu>{});
+    case Epilogue::GeluTanh: return run(std::integral_constant<Epilogue, Epilogue::GeluTanh>{});
+    case Epilogue::ResidualNorm: return run(std::integral_constant<Epilogue, Epilogue::ResidualNorm>{});
   }
 }
 
 // Median time of `runs` launches of `launch` on `stream`, in milliseconds.
+// Back to back, so a product whose weights fit in L2 reads them from there: as
+// a small model's forward does (the 19M demo target sits in L2 whole). Timing
+// from a cold L2 instead chose cuBLASLt for its 8-row verify shapes, whose
+// rows then lost their bits against the row decoded alone (8B: no change).
 template <class Launch>
 float time_launches(Launch launch, cudaStream_t stream, int runs = 7) {
   cudaEvent_t start, stop;
@@ -264,7 +450,8 @@ class MatmulContext {
   // outside any graph capture (a shape's first use), then remembered.
   // run(path) computes the product along `path`.
   template <class Run>
-  MatmulPath choose(const PathKey& key, bool gated, Run run, cudaStream_t stream) {
+  MatmulPath choose(const PathKey& key, const std::vector<GemvKernel>& gemv_kernels, bool epilogue_kernel, Run run,
+                    cudaStream_t stream) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto found = choices_.find(key);
@@ -275,17 +462,27 @@ class MatmulContext {
     DSPARK_CHECK(capturing == cudaStreamCaptureStatusNone, "matmul: shape first seen during graph capture");
     MatmulPath chosen;  // cuBLASLt
     float best = time_launches([&] { run(chosen); }, stream);
-    for (bool fused : {true, false}) {
-      if (!fused && !gated) continue;  // without a gate the two are the same
-      for (int features : {1, 4}) {
-        const MatmulPath path{true, features, fused};
+    std::string times = "cuBLASLt " + std::to_string(1e3f * best);
+    for (GemvKernel kernel : gemv_kernels) {
+      for (bool fused : {true, false}) {
+        if (!fused && !epilogue_kernel) continue;  // a plain product: the two are the same
+        const MatmulPath path{kernel, fused};
         const float time = time_launches([&] { run(path); }, stream);
+        times += ", GEMV " + std::to_string(int(kernel)) + (fused ? "" : " unfused") + " " + std::to_string(1e3f * time);
         if (time < best) best = time, chosen = path;
       }
     }
+    static const bool log = std::getenv("DSPARK_MATMUL_LOG") != nullptr;
+    if (log)
+      std::fprintf(stderr, "matmul %d x %d -> %d (epilogue %d): %s us\n", std::get<0>(key), std::get<1>(key),
+                   std::get<2>(key), std::get<5>(key), times.c_str());
     std::lock_guard<std::mutex> lock(mutex_);
     choices_[key] = chosen;
     return chosen;
+  }
+  bool chosen(const PathKey& key) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return choices_.count(key) > 0;
   }
   void run(const Plan& plan, void* out, const bf16* x, const bf16* weight, const bf16* bias, cudaStream_t stream) {
     if (bias)
@@ -314,51 +511,62 @@ MatmulContext& context() {
 
 namespace {
 
-void gemv_path(void* out, MatmulOutput out_type, Gate gate, const bf16* x, const bf16* weight, const bf16* bias,
-               int rows, int in_features, int out_features, int features_per_warp, cudaStream_t stream) {
-  if (gate == Gate::Silu)
-    gemv_forward<Gate::Silu>(out, out_type, x, weight, bias, rows, in_features, out_features, features_per_warp,
-                             stream);
-  else if (gate == Gate::GeluTanh)
-    gemv_forward<Gate::GeluTanh>(out, out_type, x, weight, bias, rows, in_features, out_features, features_per_warp,
-                                 stream);
-  else
-    gemv_forward<Gate::None>(out, out_type, x, weight, bias, rows, in_features, out_features, features_per_warp,
-                             stream);
-}
-
-// The product, by GEMV or cuBLASLt, whichever this shape runs faster with
-// (timed once per shape). The choice can differ between row counts, and so
-// can cuBLASLt's algorithm: a row's bits may then depend on how many rows
-// share its step (docs/PERF.md, "verify invariance"). Forcing the GEMV on
-// every row count up to 8 removed that, but cost 28% of decode speed and made
-// verify blocks 2-5x dearer, so it is not done.
-// With a gate, x is act(gate_up[:, :in]) * gate_up[:, in:]: computed into `x`
-// itself by the activation kernel (cuBLASLt, unfused GEMV), or inside the
-// fused GEMV.
-void matmul(void* out, MatmulOutput out_type, Gate gate, const bf16* gate_up, bf16* x, const bf16* weight,
-            const bf16* bias, int rows, int in_features, int out_features, cudaStream_t stream) {
+// The product and its epilogue, by GEMV or cuBLASLt, whichever this shape
+// runs faster with (timed once per shape). The choice can differ between row
+// counts, and so can cuBLASLt's algorithm: a row's bits may then depend on
+// how many rows share its step (docs/PERF.md, "verify invariance"). Forcing
+// the GEMV on every row count up to 8 removed that, but cost 28% of decode
+// speed and made verify blocks 2-5x dearer, so it is not done.
+// gate_up: scratch [rows, 2 * out] for a gated epilogue on cuBLASLt.
+void matmul(void* out, MatmulOutput out_type, Epilogue epilogue, const bf16* x, const bf16* weight, const bf16* bias,
+            int rows, int in_features, int out_features, bf16* gate_up, const ResidualNorm& norm,
+            cudaStream_t stream) {
+  const bool gated = epilogue == Epilogue::Silu || epilogue == Epilogue::GeluTanh;
+  const int product_features = gated ? 2 * out_features : out_features;
   MatmulContext& matmul = context();
-  const Plan& plan = matmul.plan(rows, in_features, out_features, out_type, bias != nullptr);
-  auto activate = [&] {
-    if (gate == Gate::Silu) swiglu_forward(x, gate_up, rows, in_features, stream);
-    if (gate == Gate::GeluTanh) gelu_tanh_gate_forward(x, gate_up, rows, in_features, stream);
+  const Plan& plan = matmul.plan(rows, in_features, product_features, gated ? MatmulOutput::BF16 : out_type,
+                                 bias != nullptr);
+  // The epilogue as a kernel of its own, after the plain product (into gate_up when gated).
+  auto epilogue_kernel = [&] {
+    if (epilogue == Epilogue::Silu) swiglu_forward(static_cast<bf16*>(out), gate_up, rows, out_features, stream);
+    if (epilogue == Epilogue::GeluTanh)
+      gelu_tanh_gate_forward(static_cast<bf16*>(out), gate_up, rows, out_features, stream);
+    if (epilogue == Epilogue::ResidualNorm)
+      residual_add_rmsnorm_forward(norm.residual, static_cast<const bf16*>(out), norm.normed, norm.weight, rows,
+                                   out_features, norm.eps, norm.residual_tap, norm.normed_tap, norm.tap_stride, stream);
   };
   auto run = [&](const MatmulPath& path) {
-    if (!path.gemv) {
-      activate();
-      matmul.run(plan, out, x, weight, bias, stream);
-    } else if (path.fused) {
-      gemv_path(out, out_type, gate, gate == Gate::None ? x : gate_up, weight, bias, rows, in_features, out_features,
-                path.features_per_warp, stream);
-    } else {
-      activate();
-      gemv_path(out, out_type, Gate::None, x, weight, bias, rows, in_features, out_features, path.features_per_warp,
-                stream);
-    }
+    if (path.gemv != GemvKernel::None && (path.fused || epilogue == Epilogue::Store))
+      return gemv_path(out, out_type, epilogue, x, weight, bias, rows, in_features, out_features, path.gemv, norm,
+                       stream);
+    void* product = gated ? gate_up : out;
+    if (path.gemv == GemvKernel::None)
+      matmul.run(plan, product, x, weight, bias, stream);
+    else
+      gemv_path(product, gated ? MatmulOutput::BF16 : out_type, Epilogue::Store, x, weight, bias, rows, in_features,
+                product_features, path.gemv, norm, stream);
+    epilogue_kernel();
   };
-  const PathKey key{rows, in_features, out_features, out_type, bias != nullptr, static_cast<int>(gate)};
-  run(gemv_possible(rows, in_features) ? matmul.choose(key, gate != Gate::None, run, stream) : MatmulPath{});
+  std::vector<GemvKernel> kernels = gemv_kernels(rows, in_features);
+  if (epilogue == Epilogue::ResidualNorm && residual_norm_vectors(out_features, norm.tap_stride) == 0)
+    kernels.clear();  // (the unfused path would do; not worth a case: no model of ours has such rows)
+  // Tensor cores only where the CUDA-core GEMV cannot run: its sums do not
+  // depend on the row count, so a verify row it computes has the bits of the
+  // same row decoded alone, and greedy speculative output stays that of plain
+  // decoding through bf16 near-ties.
+  if (rows <= kGemvMaxRows)
+    kernels.erase(std::remove(kernels.begin(), kernels.end(), GemvKernel::TensorCores), kernels.end());
+  if (kernels.empty()) return run(MatmulPath{});
+  const PathKey key{rows, in_features, out_features, out_type, bias != nullptr, static_cast<int>(epilogue)};
+  // Timing runs add into the residual stream: it is put back before the real run.
+  if (epilogue == Epilogue::ResidualNorm && !matmul.chosen(key)) {
+    DeviceBuffer<float> saved(size_t(rows) * out_features);
+    CUDA_CHECK(cudaMemcpyAsync(saved.data(), norm.residual, saved.bytes(), cudaMemcpyDeviceToDevice, stream));
+    matmul.choose(key, kernels, epilogue != Epilogue::Store, run, stream);
+    CUDA_CHECK(cudaMemcpyAsync(norm.residual, saved.data(), saved.bytes(), cudaMemcpyDeviceToDevice, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));  // before `saved` is freed
+  }
+  run(matmul.choose(key, kernels, epilogue != Epilogue::Store, run, stream));
 }
 
 }  // namespace
@@ -535,29 +743,33 @@ void argmax_tokens_forward(int32_t* tokens, const unsigned long long* argmax_key
 
 void matmul_forward(void* out, MatmulOutput out_type, const bf16* x, const bf16* weight, const bf16* bias, int rows,
                     int in_features, int out_features, cudaStream_t stream) {
-  matmul(out, out_type, Gate::None, nullptr, const_cast<bf16*>(x), weight, bias, rows, in_features, out_features,
-         stream);
+  matmul(out, out_type, Epilogue::Store, x, weight, bias, rows, in_features, out_features, nullptr, {}, stream);
 }
 
-void swiglu_matmul_forward(void* out, MatmulOutput out_type, const bf16* gate_up, bf16* activated, const bf16* weight,
-                           const bf16* bias, int rows, int in_features, int out_features, cudaStream_t stream) {
-  matmul(out, out_type, Gate::Silu, gate_up, activated, weight, bias, rows, in_features, out_features, stream);
+void gated_matmul_forward(bf16* activated, GatedActivation activation, const bf16* x, const bf16* gate_up_weight,
+                          const bf16* bias, bf16* gate_up, int rows, int in_features, int out_features,
+                          cudaStream_t stream) {
+  matmul(activated, MatmulOutput::BF16, activation == GatedActivation::Silu ? Epilogue::Silu : Epilogue::GeluTanh, x,
+         gate_up_weight, bias, rows, in_features, out_features, gate_up, {}, stream);
 }
 
-void gelu_tanh_gate_matmul_forward(void* out, MatmulOutput out_type, const bf16* gate_up, bf16* activated,
-                                   const bf16* weight, const bf16* bias, int rows, int in_features, int out_features,
-                                   cudaStream_t stream) {
-  matmul(out, out_type, Gate::GeluTanh, gate_up, activated, weight, bias, rows, in_features, out_features, stream);
+void matmul_residual_rmsnorm_forward(bf16* delta, const bf16* x, const bf16* weight, const bf16* bias, int rows,
+                                     int in_features, int out_features, const ResidualNorm& norm,
+                                     cudaStream_t stream) {
+  matmul(delta, MatmulOutput::BF16, Epilogue::ResidualNorm, x, weight, bias, rows, in_features, out_features, nullptr,
+         norm, stream);
 }
-void gemv_matmul_forward(void* out, MatmulOutput out_type, GemvInput input, const bf16* x, const bf16* weight,
-                         const bf16* bias, int rows, int in_features, int out_features, int features_per_warp,
-                         cudaStream_t stream) {
-  DSPARK_CHECK(rows >= 1 && rows <= kGemvMaxRows && in_features % 8 == 0, "the GEMV takes 1..", kGemvMaxRows,
-               " rows and a multiple of 8 input features, not ", rows, " x ", in_features);
-  DSPARK_CHECK(features_per_warp == 1 || features_per_warp == 4, "the GEMV runs 1 or 4 features per warp, not ",
-               features_per_warp);
-  const Gate gate = input == GemvInput::Swiglu ? Gate::Silu : input == GemvInput::GeluTanh ? Gate::GeluTanh : Gate::None;
-  gemv_path(out, out_type, gate, x, weight, bias, rows, in_features, out_features, features_per_warp, stream);
+
+void gemv_matmul_forward(void* out, MatmulOutput out_type, GemvEpilogue epilogue, GemvKernel kernel, const bf16* x,
+                         const bf16* weight, const bf16* bias, int rows, int in_features, int out_features,
+                         const ResidualNorm& norm, cudaStream_t stream) {
+  const std::vector<GemvKernel> kernels = gemv_kernels(rows, in_features);
+  DSPARK_CHECK(rows >= 1 && std::find(kernels.begin(), kernels.end(), kernel) != kernels.end(), "GEMV kernel ",
+               int(kernel), " cannot run ", rows, " rows of ", in_features, " features");
+  DSPARK_CHECK(epilogue == Epilogue::Store || out_type == MatmulOutput::BF16, "a fused GEMV epilogue writes bf16");
+  DSPARK_CHECK(epilogue != Epilogue::ResidualNorm || residual_norm_vectors(out_features, norm.tap_stride) > 0,
+               "the GEMV's norm takes rows of a multiple of 4 and at most 8192 features, not ", out_features);
+  gemv_path(out, out_type, epilogue, x, weight, bias, rows, in_features, out_features, kernel, norm, stream);
 }
 
 // ---- training ----

@@ -3,9 +3,10 @@
 // Shapes as on the CPU: x [rows, in], weight [out, in] (nn.Linear layout),
 // bias [out] or null, out [rows, out].
 //
-// Up to 8 rows may run a weight-streaming GEMV where it times faster than
-// cuBLASLt (one or four output features per warp; a gated input computed
-// inside the GEMV or by the activation kernel first: whichever is fastest).
+// Up to 16 rows may run a weight-streaming GEMV where it times faster than
+// cuBLASLt (CUDA cores or tensor cores, the epilogue fused in): every way is
+// timed once per shape and the fastest kept (DSPARK_MATMUL_LOG=1 prints each shape's times; DSPARK_GEMV=0
+// runs cuBLASLt only).
 // The cuBLASLt algorithm for each (rows, in, out, output type, bias) is chosen
 // once by its heuristic and cached with its descriptors, so a call inside CUDA
 // graph capture never queries the heuristic (warm each shape up first).
@@ -23,27 +24,48 @@ void matmul_forward(void* out, MatmulOutput out_type, const __nv_bfloat16* x, co
                     const __nv_bfloat16* bias, int rows, int in_features, int out_features,
                     cudaStream_t stream);
 
-// out = (silu(gate_up[:, :in]) * gate_up[:, in:]) @ weight^T (+ bias): the MLP's
-// down projection with SwiGLU fused in. gate_up [rows, 2 * in]; `activated`
-// [rows, in] is scratch for the shapes that run unfused.
-void swiglu_matmul_forward(void* out, MatmulOutput out_type, const __nv_bfloat16* gate_up, __nv_bfloat16* activated,
-                           const __nv_bfloat16* weight, const __nv_bfloat16* bias, int rows, int in_features,
-                           int out_features, cudaStream_t stream);
+// The MLP's gated input: activated [rows, out] = act(x @ gate^T + gate_bias) *
+// (x @ up^T + up_bias), weight = gate|up [2 * out, in], bias [2 * out] or null.
+// Gate and up are rounded to bf16 before the activation, as when they pass
+// through the gate|up buffer, which is how the shapes that run on cuBLASLt do
+// it (gate_up: scratch [rows, 2 * out]); the GEMV sums a feature's gate and up
+// rows in one warp and writes only the activation.
+enum class GatedActivation { Silu, GeluTanh };
+void gated_matmul_forward(__nv_bfloat16* activated, GatedActivation activation, const __nv_bfloat16* x,
+                          const __nv_bfloat16* gate_up_weight, const __nv_bfloat16* bias, __nv_bfloat16* gate_up,
+                          int rows, int in_features, int out_features, cudaStream_t stream);
 
-// The same with gelu_tanh(gate) * up (the drafter's MLP).
-void gelu_tanh_gate_matmul_forward(void* out, MatmulOutput out_type, const __nv_bfloat16* gate_up,
-                                   __nv_bfloat16* activated, const __nv_bfloat16* weight, const __nv_bfloat16* bias,
-                                   int rows, int in_features, int out_features, cudaStream_t stream);
+// A projection back into the residual stream and the norm after it:
+// delta [rows, out] = x @ weight^T (+ bias), then residual_add_rmsnorm_forward
+// with these operands (rmsnorm.h). On the GEMV, the grid's last block to
+// finish does the add and the norm with the norm kernel's own row code (the
+// same bits), which saves a launch: two per decoder layer.
+struct ResidualNorm {
+  float* residual = nullptr;             // [rows, out] f32, += delta
+  const float* weight = nullptr;         // [out]
+  __nv_bfloat16* normed = nullptr;       // [rows, out] rmsnorm(residual) * weight
+  float eps = 0.0f;
+  float* residual_tap = nullptr;         // optional: residual_tap[r * tap_stride ..] = the residual after the add
+  float* normed_tap = nullptr;           // optional: the normed row in f32
+  long tap_stride = 0;
+  unsigned* counter = nullptr;           // a device word holding 0, which the call leaves at 0 (blocks count in it)
+};
+void matmul_residual_rmsnorm_forward(__nv_bfloat16* delta, const __nv_bfloat16* x, const __nv_bfloat16* weight,
+                                     const __nv_bfloat16* bias, int rows, int in_features, int out_features,
+                                     const ResidualNorm& norm, cudaStream_t stream);
 
-// The weight-streaming GEMV alone (1..8 rows, in_features a multiple of 8),
-// with 1 or 4 output features per warp: the products above time both against
+// The GEMVs alone: on the CUDA cores with 1 or 4 output features per warp
+// (1..8 rows, in_features a multiple of 8), or on the tensor cores (1..16
+// rows, in_features a multiple of 32). The products above time each against
 // cuBLASLt on a shape's first use and keep the fastest; tests hold each to
-// the CPU. The input is x [rows, in], or act(gate) * up of x = gate|up
-// [rows, 2 * in] (rounded to bf16, as the unfused activation buffer is).
-enum class GemvInput { Plain, Swiglu, GeluTanh };
-void gemv_matmul_forward(void* out, MatmulOutput out_type, GemvInput input, const __nv_bfloat16* x,
-                         const __nv_bfloat16* weight, const __nv_bfloat16* bias, int rows, int in_features,
-                         int out_features, int features_per_warp, cudaStream_t stream);
+// the CPU and to the unfused kernels. Silu / GeluTanh: weight and bias are
+// gate|up, out [rows, out] the activation; ResidualNorm: out is the delta and
+// `norm` as above. Fused epilogues write bf16.
+enum class GemvEpilogue { Store, Silu, GeluTanh, ResidualNorm };
+enum class GemvKernel { None, OneFeaturePerWarp, FourFeaturesPerWarp, TensorCores };
+void gemv_matmul_forward(void* out, MatmulOutput out_type, GemvEpilogue epilogue, GemvKernel kernel,
+                         const __nv_bfloat16* x, const __nv_bfloat16* weight, const __nv_bfloat16* bias, int rows,
+                         int in_features, int out_features, const ResidualNorm& norm, cudaStream_t stream);
 
 // out [rows, out] = x [rows, in] @ weight (+ bias [out]) with weight stored
 // [in, out] (the drafter's layout: CUDA version of cpu::matmul_in_out_forward),

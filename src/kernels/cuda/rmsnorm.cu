@@ -2,6 +2,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/reduce.h"
 #include "kernels/cuda/rmsnorm.h"
+#include "kernels/cuda/rmsnorm.cuh"
 
 namespace dspark::cuda {
 namespace {
@@ -33,58 +34,29 @@ __global__ void residual_add_rmsnorm_kernel(float* residual, const bf16* delta, 
   }
 }
 
-// The same with float4 / 4 x bf16 accesses and the row held in registers:
-// VECTORS float4 per thread covers dim <= VECTORS * 4 * kThreads.
+// The same with float4 / 4 x bf16 accesses and the row held in registers
+// (residual_add_rmsnorm_row).
 template <int VECTORS>
-__global__ void residual_add_rmsnorm_vector_kernel(float* residual, const bf16* delta, bf16* out, const float* weight,
-                                                   int dim, float eps, float* residual_tap, float* normed_tap,
-                                                   long tap_stride) {
+__global__ void __launch_bounds__(kResidualNormThreads)
+    residual_add_rmsnorm_vector_kernel(float* residual, const bf16* delta, bf16* out, const float* weight, int dim,
+                                       float eps, float* residual_tap, float* normed_tap, long tap_stride) {
   __shared__ float scratch[32];
   const long row = blockIdx.x;
-  float4* x = reinterpret_cast<float4*>(residual + row * dim);
-  const int vectors = dim / 4;
-  float4 values[VECTORS];
-  float sum_of_squares = 0.0f;
-#pragma unroll
-  for (int j = 0; j < VECTORS; ++j) {
-    const int i = threadIdx.x + j * kThreads;
-    if (i >= vectors) break;
-    values[j] = x[i];
-    if (delta) {
-      const uint2 packed = reinterpret_cast<const uint2*>(delta + row * dim)[i];
-      const float2 low = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed.x));
-      const float2 high = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed.y));
-      values[j].x += low.x, values[j].y += low.y, values[j].z += high.x, values[j].w += high.y;
-      x[i] = values[j];
-    }
-    if (residual_tap) reinterpret_cast<float4*>(residual_tap + row * tap_stride)[i] = values[j];
-    sum_of_squares +=
-        values[j].x * values[j].x + values[j].y * values[j].y + values[j].z * values[j].z + values[j].w * values[j].w;
-  }
-  const float scale = rsqrtf(block_sum(sum_of_squares, scratch) / dim + eps);
-#pragma unroll
-  for (int j = 0; j < VECTORS; ++j) {
-    const int i = threadIdx.x + j * kThreads;
-    if (i >= vectors) break;
-    const float4 w = reinterpret_cast<const float4*>(weight)[i];
-    const float4 normed = make_float4(values[j].x * scale * w.x, values[j].y * scale * w.y, values[j].z * scale * w.z,
-                                      values[j].w * scale * w.w);
-    __nv_bfloat162 packed[2] = {__floats2bfloat162_rn(normed.x, normed.y), __floats2bfloat162_rn(normed.z, normed.w)};
-    reinterpret_cast<uint2*>(out + row * dim)[i] = *reinterpret_cast<const uint2*>(packed);
-    if (normed_tap) reinterpret_cast<float4*>(normed_tap + row * tap_stride)[i] = normed;
-  }
+  residual_add_rmsnorm_row<VECTORS>(residual + row * dim, delta ? delta + row * dim : nullptr, out + row * dim, weight,
+                                    dim, eps, residual_tap ? residual_tap + row * tap_stride : nullptr,
+                                    normed_tap ? normed_tap + row * tap_stride : nullptr, scratch);
 }
 
 void launch(float* residual, const bf16* delta, bf16* out, const float* weight, int rows, int dim, float eps,
             float* residual_tap, float* normed_tap, long tap_stride, cudaStream_t stream) {
-  // Vector accesses need 16-byte rows (and tap rows): dim and the tap stride multiples of 4.
-  const int vectors_per_thread = (dim / 4 + kThreads - 1) / kThreads;
-  if (dim % 4 == 0 && tap_stride % 4 == 0 && vectors_per_thread <= 8) {
-    auto kernel = vectors_per_thread <= 1   ? residual_add_rmsnorm_vector_kernel<1>
-                  : vectors_per_thread <= 2 ? residual_add_rmsnorm_vector_kernel<2>
-                  : vectors_per_thread <= 4 ? residual_add_rmsnorm_vector_kernel<4>
-                                            : residual_add_rmsnorm_vector_kernel<8>;
-    kernel<<<rows, kThreads, 0, stream>>>(residual, delta, out, weight, dim, eps, residual_tap, normed_tap, tap_stride);
+  const int vectors = residual_norm_vectors(dim, tap_stride);
+  if (vectors > 0) {
+    auto kernel = vectors == 1   ? residual_add_rmsnorm_vector_kernel<1>
+                  : vectors == 2 ? residual_add_rmsnorm_vector_kernel<2>
+                  : vectors == 4 ? residual_add_rmsnorm_vector_kernel<4>
+                                 : residual_add_rmsnorm_vector_kernel<8>;
+    kernel<<<rows, kResidualNormThreads, 0, stream>>>(residual, delta, out, weight, dim, eps, residual_tap, normed_tap,
+                                                      tap_stride);
   } else {
     residual_add_rmsnorm_kernel<<<rows, kThreads, 0, stream>>>(residual, delta, out, weight, dim, eps, residual_tap,
                                                                normed_tap, tap_stride);

@@ -2,7 +2,8 @@
 // environment variable given at construction is "1", the owner runs its steps
 // eagerly and marks an event after each op; the mean time per op and per step
 // is printed to stderr when the profiler is destroyed. (DSPARK_PROFILE: the
-// CUDA target's decode steps; DSPARK_DRAFT_PROFILE: the CUDA drafter's steps.)
+// CUDA target's decode steps, or with DSPARK_PROFILE_TOKENS=k its steps of k
+// tokens per sequence; DSPARK_DRAFT_PROFILE: the CUDA drafter's steps.)
 #pragma once
 #include <cuda_runtime.h>
 
@@ -44,9 +45,14 @@ class StepProfiler {
     names_.resize(marks_ + 1);
     names_[marks_++] = name;
   }
-  // Accumulates the time between consecutive marks under the later mark's name.
-  void finish_step() {
+  // Accumulates the time between consecutive marks under the later mark's
+  // name (when `record`: the owner may profile only some kinds of step).
+  void finish_step(bool record = true) {
     if (!enabled_ || marks_ == 0) return;
+    if (!record) {
+      marks_ = 0;
+      return;
+    }
     CUDA_CHECK(cudaEventSynchronize(events_[marks_ - 1]));
     if (++seen_ <= kWarmupSteps) {  // first steps also choose GEMM algorithms: not representative
       marks_ = 0;

@@ -1,0 +1,64 @@
+// The residual add + RMSNorm of one row by one block, shared by the norm's own
+// kernel (rmsnorm.cu) and the GEMV whose last block finishes the projection
+// into the residual stream with it (matmul.cu): both give the same bits.
+#pragma once
+#include "kernels/cuda/common.cuh"
+
+namespace dspark::cuda {
+
+constexpr int kResidualNormThreads = 256;
+
+// For one row, by a block of kResidualNormThreads threads: x += delta (when
+// delta is given); out = rmsnorm(x) * weight; the taps (when given) receive x
+// after the add and the normed row in f32. The row stays in registers:
+// VECTORS float4 per thread covers dim <= VECTORS * 4 * kResidualNormThreads
+// (dim a multiple of 4). delta is read through L2 (__ldcg): the GEMV's last
+// block reads rows that other blocks have just written.
+template <int VECTORS>
+__device__ __forceinline__ void residual_add_rmsnorm_row(float* x, const bf16* delta, bf16* out, const float* weight,
+                                                         int dim, float eps, float* residual_tap, float* normed_tap,
+                                                         float* scratch) {
+  float4* row = reinterpret_cast<float4*>(x);
+  const int vectors = dim / 4;
+  float4 values[VECTORS];
+  float sum_of_squares = 0.0f;
+#pragma unroll
+  for (int j = 0; j < VECTORS; ++j) {
+    const int i = threadIdx.x + j * kResidualNormThreads;
+    if (i >= vectors) break;
+    values[j] = row[i];
+    if (delta) {
+      const uint2 packed = __ldcg(reinterpret_cast<const uint2*>(delta) + i);
+      const float2 low = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed.x));
+      const float2 high = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed.y));
+      values[j].x += low.x, values[j].y += low.y, values[j].z += high.x, values[j].w += high.y;
+      row[i] = values[j];
+    }
+    if (residual_tap) reinterpret_cast<float4*>(residual_tap)[i] = values[j];
+    sum_of_squares +=
+        values[j].x * values[j].x + values[j].y * values[j].y + values[j].z * values[j].z + values[j].w * values[j].w;
+  }
+  const float scale = rsqrtf(block_sum(sum_of_squares, scratch) / dim + eps);
+#pragma unroll
+  for (int j = 0; j < VECTORS; ++j) {
+    const int i = threadIdx.x + j * kResidualNormThreads;
+    if (i >= vectors) break;
+    const float4 w = reinterpret_cast<const float4*>(weight)[i];
+    const float4 normed = make_float4(values[j].x * scale * w.x, values[j].y * scale * w.y, values[j].z * scale * w.z,
+                                      values[j].w * scale * w.w);
+    __nv_bfloat162 packed[2] = {__floats2bfloat162_rn(normed.x, normed.y), __floats2bfloat162_rn(normed.z, normed.w)};
+    reinterpret_cast<uint2*>(out)[i] = *reinterpret_cast<const uint2*>(packed);
+    if (normed_tap) reinterpret_cast<float4*>(normed_tap)[i] = normed;
+  }
+}
+
+// The float4s per thread that dim needs (1, 2, 4 or 8), or 0 where the row
+// kernel does not apply (dim or the tap stride not a multiple of 4, or wider
+// than 8 * 4 * kResidualNormThreads).
+inline int residual_norm_vectors(int dim, long tap_stride) {
+  const int per_thread = (dim / 4 + kResidualNormThreads - 1) / kResidualNormThreads;
+  if (dim % 4 != 0 || tap_stride % 4 != 0 || per_thread > 8) return 0;
+  return per_thread <= 1 ? 1 : per_thread <= 2 ? 2 : per_thread <= 4 ? 4 : 8;
+}
+
+}  // namespace dspark::cuda
