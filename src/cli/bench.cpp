@@ -287,10 +287,15 @@ void run_bench_spec(const BenchSpecFlags& flags) {
     // on a shape's first uses, and every mode should be measured warm.
     timed_plain_decoding(*target, chunk_of(0), plain_options, nullptr);
     for (size_t m = 0; m < schedules.size(); ++m) run_spec(0, m, nullptr);
-    for (size_t begin = 0; begin < requests.size(); begin += batch)
+    // Chunk by chunk, every mode on the same requests one after another, so
+    // that a shared machine's drift in memory bandwidth over the run falls on
+    // all modes alike (the 2-core guest's plain decoding speeds up and slows
+    // down by 10-25% over minutes; measured mode after mode, the batch-64
+    // ratio of two identical runs came out 0.83 and 0.91).
+    for (size_t begin = 0; begin < requests.size(); begin += batch) {
       timed_plain_decoding(*target, chunk_of(begin), plain_options, &point.plain);
-    for (size_t m = 0; m < schedules.size(); ++m)
-      for (size_t begin = 0; begin < requests.size(); begin += batch) run_spec(begin, m, &point.modes[m]);
+      for (size_t m = 0; m < schedules.size(); ++m) run_spec(begin, m, &point.modes[m]);
+    }
     points.push_back(std::move(point));
   }
 

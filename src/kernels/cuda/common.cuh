@@ -46,7 +46,7 @@ __device__ __forceinline__ float block_max(float value, float* scratch) {
 
 // gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), as kernels/cpu/activation.cpp,
 // written as x * sigmoid(2u) (the same function: 0.5 (1 + tanh(u)) = sigmoid(2u)) so that it costs one
-// fast exponential: the fused GEMV recomputes it for every output feature.
+// fast exponential.
 __device__ __forceinline__ float gelu_tanh(float x) {
   const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
   return x / (1.0f + __expf(-2.0f * u));

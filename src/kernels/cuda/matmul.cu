@@ -108,8 +108,8 @@ __device__ void finish_residual_norm(const ResidualNorm& norm, const bf16* delta
 // 654 us for 1.2 GB of weights at batch 1); four features cut that to a
 // quarter. A feature's sum is accumulated in the same order either way (lane
 // by lane over k, then the warp sum). A gated EPILOGUE doubles the weight
-// rows per warp (each feature's gate row and up row).
-// residual_norm_vectors: ResidualNorm's VECTORS (residual_norm_vectors()).
+// rows per warp (each feature's gate row and up row). residual_norm_vectors:
+// the norm's float4s per thread (residual_norm_vectors() of rmsnorm.cuh).
 template <int ROWS, int FEATURES, Epilogue EPILOGUE>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     gemv_kernel(void* out, bool out_f32, const bf16* x, const bf16* weight, const bf16* bias, int in,
