@@ -1,7 +1,8 @@
 // The vectorised elementwise CPU kernels against scalar references, under
 // every instruction set the CPU supports: argmax (exactly the scalar loop's
 // answer, ties and NaNs included, for lengths that are and are not whole
-// vectors), SwiGLU (double-precision silu(g) u) and RMSNorm (double
+// vectors), SwiGLU (double-precision silu(g) u), the drafter's GELU gate
+// (double-precision gelu_tanh(g) u) and RMSNorm (double
 // precision, widths that are and are not whole vectors of the sum's
 // four accumulators).
 #include <gtest/gtest.h>
@@ -75,6 +76,31 @@ TEST_F(ElementwiseTest, SwigluMatchesDoubleReference) {
       // In place (out aliases gate), as the transformer calls it.
       std::vector<float> in_place = gate;
       cpu::swiglu_forward(in_place.data(), in_place.data(), up.data(), count);
+      EXPECT_EQ(in_place, out);
+    }
+  }
+}
+
+TEST_F(ElementwiseTest, GeluTanhGateMatchesDoubleReference) {
+  Rng rng(34);
+  for (MatmulIsa isa : supported()) {
+    cpu::set_matmul_isa(isa);
+    SCOPED_TRACE(cpu::matmul_isa_name(isa));
+    for (long count : {1L, 5L, 16L, 37L, 512L * 7}) {
+      std::vector<float> gate = random_values(rng, count, 6.0f), up = random_values(rng, count, 2.0f);
+      gate[0] = -30.0f;  // exp overflows: gelu -> -0
+      if (count > 1) gate[1] = 30.0f;
+      std::vector<float> out(count, std::nanf(""));
+      cpu::gelu_tanh_gate_forward(out.data(), gate.data(), up.data(), count);
+      for (long i = 0; i < count; ++i) {
+        const double g = gate[i], u = 0.7978845608028654 * (g + 0.044715 * g * g * g);
+        const double expected = 0.5 * g * (1.0 + std::tanh(u)) * up[i];
+        // exp's ~2e-7, plus the float argument 2u's rounding (relative 2^-23 of it) carried into exp(-2u).
+        EXPECT_NEAR(out[i], expected, 4e-7 * (1.0 + 2.0 * std::fabs(u)) * std::fabs(expected) + 1e-30)
+            << "count " << count << " at " << i;
+      }
+      std::vector<float> in_place = gate;  // out aliases gate, as the drafter calls it
+      cpu::gelu_tanh_gate_forward(in_place.data(), in_place.data(), up.data(), count);
       EXPECT_EQ(in_place, out);
     }
   }

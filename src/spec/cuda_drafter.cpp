@@ -481,8 +481,10 @@ void CudaDrafter::ensure_rows(int rows) {
   partial_lse_.resize(size_t(partial_rows) * c.gamma);
   counters_.resize(M * c.num_heads);
   CUDA_CHECK(cudaMemset(counters_.data(), 0, counters_.bytes()));
-  norm_counter_.resize(1);
-  CUDA_CHECK(cudaMemset(norm_counter_.data(), 0, norm_counter_.bytes()));
+  if (norm_counter_.size() == 0) {  // zeroed once: every launch leaves it at 0
+    norm_counter_.resize(1);
+    CUDA_CHECK(cudaMemset(norm_counter_.data(), 0, norm_counter_.bytes()));
+  }
 }
 
 void CudaDrafter::draft(std::span<const CudaDraftRequest> requests, const DraftOptions& options,

@@ -468,7 +468,8 @@ class MatmulContext {
         if (!fused && !epilogue_kernel) continue;  // a plain product: the two are the same
         const MatmulPath path{kernel, fused};
         const float time = time_launches([&] { run(path); }, stream);
-        times += ", GEMV " + std::to_string(int(kernel)) + (fused ? "" : " unfused") + " " + std::to_string(1e3f * time);
+        static const char* const names[] = {"", "GEMV 1 feature/warp", "GEMV 4 features/warp", "GEMV tensor cores"};
+        times += std::string(", ") + names[int(kernel)] + (fused ? "" : " unfused") + " " + std::to_string(1e3f * time);
         if (time < best) best = time, chosen = path;
       }
     }
