@@ -58,52 +58,51 @@ TEST_F(ElementwiseTest, ArgmaxIsTheScalarLoopsAnswer) {
   }
 }
 
-TEST_F(ElementwiseTest, SwigluMatchesDoubleReference) {
-  Rng rng(32);
-  for (MatmulIsa isa : supported()) {
+// A gated activation kernel, forward(out, gate, up, count), on each
+// instruction set of `isas`: against expected(g) * up in double precision within
+// tolerance(g, expected) for gates of `scale`, the first two set to `low`
+// and `high` (exp overflows at one), and in place (out aliases gate) with
+// the same bits.
+template <class Forward, class Expected, class Tolerance>
+void check_gated_activation(const std::vector<MatmulIsa>& isas, uint64_t seed, std::initializer_list<long> counts, float scale,
+                            float low, float high, Forward forward, Expected expected_of, Tolerance tolerance_of) {
+  Rng rng(seed);
+  for (MatmulIsa isa : isas) {
     cpu::set_matmul_isa(isa);
     SCOPED_TRACE(cpu::matmul_isa_name(isa));
-    for (long count : {1L, 5L, 16L, 37L, 1408L * 3}) {
-      std::vector<float> gate = random_values(rng, count, 12.0f), up = random_values(rng, count, 2.0f);
-      gate[0] = -100.0f;  // exp(100) overflows: silu -> -0
-      if (count > 1) gate[1] = 95.0f;
+    for (long count : counts) {
+      std::vector<float> gate = random_values(rng, count, scale), up = random_values(rng, count, 2.0f);
+      gate[0] = low;
+      if (count > 1) gate[1] = high;
       std::vector<float> out(count, std::nanf(""));
-      cpu::swiglu_forward(out.data(), gate.data(), up.data(), count);
+      forward(out.data(), gate.data(), up.data(), count);
       for (long i = 0; i < count; ++i) {
-        const double g = gate[i], expected = g / (1.0 + std::exp(-g)) * up[i];
-        EXPECT_NEAR(out[i], expected, 1e-6 * std::fabs(expected) + 1e-30) << "count " << count << " at " << i;
+        const double g = gate[i], expected = expected_of(g) * up[i];
+        EXPECT_NEAR(out[i], expected, tolerance_of(g, expected)) << "count " << count << " at " << i;
       }
-      // In place (out aliases gate), as the transformer calls it.
       std::vector<float> in_place = gate;
-      cpu::swiglu_forward(in_place.data(), in_place.data(), up.data(), count);
+      forward(in_place.data(), in_place.data(), up.data(), count);
       EXPECT_EQ(in_place, out);
     }
   }
 }
 
+TEST_F(ElementwiseTest, SwigluMatchesDoubleReference) {
+  // exp(100) overflows: silu(-100) -> -0
+  check_gated_activation(
+      supported(), 32, {1L, 5L, 16L, 37L, 1408L * 3}, 12.0f, -100.0f, 95.0f, cpu::swiglu_forward,
+      [](double g) { return g / (1.0 + std::exp(-g)); },
+      [](double, double expected) { return 1e-6 * std::fabs(expected) + 1e-30; });
+}
+
 TEST_F(ElementwiseTest, GeluTanhGateMatchesDoubleReference) {
-  Rng rng(34);
-  for (MatmulIsa isa : supported()) {
-    cpu::set_matmul_isa(isa);
-    SCOPED_TRACE(cpu::matmul_isa_name(isa));
-    for (long count : {1L, 5L, 16L, 37L, 512L * 7}) {
-      std::vector<float> gate = random_values(rng, count, 6.0f), up = random_values(rng, count, 2.0f);
-      gate[0] = -30.0f;  // exp overflows: gelu -> -0
-      if (count > 1) gate[1] = 30.0f;
-      std::vector<float> out(count, std::nanf(""));
-      cpu::gelu_tanh_gate_forward(out.data(), gate.data(), up.data(), count);
-      for (long i = 0; i < count; ++i) {
-        const double g = gate[i], u = 0.7978845608028654 * (g + 0.044715 * g * g * g);
-        const double expected = 0.5 * g * (1.0 + std::tanh(u)) * up[i];
-        // exp's ~2e-7, plus the float argument 2u's rounding (relative 2^-23 of it) carried into exp(-2u).
-        EXPECT_NEAR(out[i], expected, 4e-7 * (1.0 + 2.0 * std::fabs(u)) * std::fabs(expected) + 1e-30)
-            << "count " << count << " at " << i;
-      }
-      std::vector<float> in_place = gate;  // out aliases gate, as the drafter calls it
-      cpu::gelu_tanh_gate_forward(in_place.data(), in_place.data(), up.data(), count);
-      EXPECT_EQ(in_place, out);
-    }
-  }
+  auto u = [](double g) { return 0.7978845608028654 * (g + 0.044715 * g * g * g); };
+  // exp overflows at gate -30: gelu -> -0
+  check_gated_activation(
+      supported(), 34, {1L, 5L, 16L, 37L, 512L * 7}, 6.0f, -30.0f, 30.0f, cpu::gelu_tanh_gate_forward,
+      [&](double g) { return 0.5 * g * (1.0 + std::tanh(u(g))); },
+      // exp's ~2e-7, plus the float argument 2u's rounding (relative 2^-23 of it) carried into exp(-2u).
+      [&](double g, double expected) { return 4e-7 * (1.0 + 2.0 * std::fabs(u(g))) * std::fabs(expected) + 1e-30; });
 }
 
 TEST_F(ElementwiseTest, RmsnormMatchesDoubleReference) {

@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -449,14 +450,11 @@ class MatmulContext {
   // The MatmulPath that runs this shape fastest: every candidate timed once,
   // outside any graph capture (a shape's first use), then remembered.
   // run(path) computes the product along `path`.
+  // With no GEMV candidate the choice is cuBLASLt, untimed.
   template <class Run>
   MatmulPath choose(const PathKey& key, const std::vector<GemvKernel>& gemv_kernels, bool epilogue_kernel, Run run,
                     cudaStream_t stream) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      auto found = choices_.find(key);
-      if (found != choices_.end()) return found->second;
-    }
+    if (gemv_kernels.empty()) return remember(key, MatmulPath{});
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
     DSPARK_CHECK(capturing == cudaStreamCaptureStatusNone, "matmul: shape first seen during graph capture");
@@ -477,13 +475,14 @@ class MatmulContext {
     if (log)
       std::fprintf(stderr, "matmul %d x %d -> %d (epilogue %d): %s us\n", std::get<0>(key), std::get<1>(key),
                    std::get<2>(key), std::get<5>(key), times.c_str());
-    std::lock_guard<std::mutex> lock(mutex_);
-    choices_[key] = chosen;
-    return chosen;
+    return remember(key, chosen);
   }
-  bool chosen(const PathKey& key) {
+  // The path chosen for a shape before, if any.
+  std::optional<MatmulPath> chosen(const PathKey& key) {
     std::lock_guard<std::mutex> lock(mutex_);
-    return choices_.count(key) > 0;
+    auto found = choices_.find(key);
+    if (found == choices_.end()) return std::nullopt;
+    return found->second;
   }
   void run(const Plan& plan, void* out, const bf16* x, const bf16* weight, const bf16* bias, cudaStream_t stream) {
     if (bias)
@@ -501,6 +500,12 @@ class MatmulContext {
   std::mutex mutex_;
   std::map<std::tuple<int, int, int, MatmulOutput, bool>, Plan> plans_;
   std::map<PathKey, MatmulPath> choices_;
+
+  MatmulPath remember(const PathKey& key, const MatmulPath& path) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    choices_[key] = path;
+    return path;
+  }
 };
 
 MatmulContext& context() {
@@ -548,6 +553,9 @@ void matmul(void* out, MatmulOutput out_type, Epilogue epilogue, const bf16* x, 
                 product_features, path.gemv, norm, stream);
     epilogue_kernel();
   };
+  // A shape's path is chosen on its first use; later calls (every eager step) only look it up.
+  const PathKey key{rows, in_features, out_features, out_type, bias != nullptr, static_cast<int>(epilogue)};
+  if (const std::optional<MatmulPath> path = matmul.chosen(key)) return run(*path);
   std::vector<GemvKernel> kernels = gemv_kernels(rows, in_features);
   if (epilogue == Epilogue::ResidualNorm && residual_norm_vectors(out_features, norm.tap_stride) == 0)
     kernels.clear();  // (the unfused path would do; not worth a case: no model of ours has such rows)
@@ -557,17 +565,15 @@ void matmul(void* out, MatmulOutput out_type, Epilogue epilogue, const bf16* x, 
   // decoding through bf16 near-ties.
   if (rows <= kGemvMaxRows)
     kernels.erase(std::remove(kernels.begin(), kernels.end(), GemvKernel::TensorCores), kernels.end());
-  if (kernels.empty()) return run(MatmulPath{});
-  const PathKey key{rows, in_features, out_features, out_type, bias != nullptr, static_cast<int>(epilogue)};
+  if (epilogue != Epilogue::ResidualNorm || kernels.empty())
+    return run(matmul.choose(key, kernels, epilogue != Epilogue::Store, run, stream));
   // Timing runs add into the residual stream: it is put back before the real run.
-  if (epilogue == Epilogue::ResidualNorm && !matmul.chosen(key)) {
-    DeviceBuffer<float> saved(size_t(rows) * out_features);
-    CUDA_CHECK(cudaMemcpyAsync(saved.data(), norm.residual, saved.bytes(), cudaMemcpyDeviceToDevice, stream));
-    matmul.choose(key, kernels, epilogue != Epilogue::Store, run, stream);
-    CUDA_CHECK(cudaMemcpyAsync(norm.residual, saved.data(), saved.bytes(), cudaMemcpyDeviceToDevice, stream));
-    CUDA_CHECK(cudaStreamSynchronize(stream));  // before `saved` is freed
-  }
-  run(matmul.choose(key, kernels, epilogue != Epilogue::Store, run, stream));
+  DeviceBuffer<float> saved(size_t(rows) * out_features);
+  CUDA_CHECK(cudaMemcpyAsync(saved.data(), norm.residual, saved.bytes(), cudaMemcpyDeviceToDevice, stream));
+  const MatmulPath path = matmul.choose(key, kernels, true, run, stream);
+  CUDA_CHECK(cudaMemcpyAsync(norm.residual, saved.data(), saved.bytes(), cudaMemcpyDeviceToDevice, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));  // before `saved` is freed
+  run(path);
 }
 
 }  // namespace
