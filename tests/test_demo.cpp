@@ -131,8 +131,8 @@ TEST(CliDemo, NoFlagsPrintsTheTextOnceAndTheReport) {
   for (size_t at = out.find(text); at != std::string::npos; at = out.find(text, at + 1)) ++copies;
   EXPECT_EQ(copies, 1u) << "the text appears once: " << out;
 
-  // The report: both runs made the same number of tokens as generate did.
-  const size_t tokens = reference["tokens"].size();
+  // The report: each mode's passes (5 by default) each made the tokens generate did.
+  const size_t tokens = 5 * reference["tokens"].size();
   for (const char* mode : {"plain", "speculative"}) {
     std::istringstream row(report_value(out, mode));
     long count = 0;
@@ -157,15 +157,21 @@ TEST(CliDemo, JsonAndPlotCarryTheSameMeasurements) {
   TemporaryDirectory directory;
   const auto plot = directory.path / "acceptance.png";
   const auto result = run_dspark({"demo", "-p", "import os\nimport sys\nimport os\nimport", "-n", "40", "--ignore-eos",
-                                  "--schedule", "off", "--plot", plot.string(), "--json"},
+                                  "--schedule", "off", "--passes", "2", "--plot", plot.string(), "--json"},
                                  {models.environment()});
   ASSERT_EQ(result.exit_code, 0) << result.err;
   const Json out = Json::parse(result.out);
   EXPECT_TRUE(out["text_identical"].get<bool>());
-  EXPECT_EQ(out["plain"]["tokens"], 40);
-  EXPECT_EQ(out["speculative"]["tokens"], 40);
+  EXPECT_EQ(out["passes"], 2);
+  EXPECT_EQ(out["plain"]["tokens"], 2 * 40);
+  EXPECT_EQ(out["speculative"]["tokens"], 2 * 40);
   EXPECT_NEAR(out["speedup"].get<double>(),
               out["speculative"]["tokens_per_s"].get<double>() / out["plain"]["tokens_per_s"].get<double>(), 1e-9);
+  for (const char* mode : {"plain", "speculative"}) {  // the rate is the median pass's (upper middle of 2)
+    const auto rates = out[mode]["pass_tokens_per_s"].get<std::vector<double>>();
+    ASSERT_EQ(rates.size(), 2u) << mode;
+    EXPECT_EQ(out[mode]["tokens_per_s"].get<double>(), std::max(rates[0], rates[1])) << mode;
+  }
   EXPECT_GE(out["tau"].get<double>(), 1.0);
   EXPECT_EQ(out["acceptance_by_position"].size(), 4u);
   EXPECT_EQ(out["schedule"], "off");

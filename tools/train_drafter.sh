@@ -15,6 +15,7 @@
 #                stopping after step STOP if given; a later `train` resumes
 #   Results ($OUT): train_log.jsonl, best/ (dspark.json, model.safetensors f32),
 #   the console log. models/README.md lists the hyper-parameters used.
+#   GAMMA (default 7) is the block size trained for; each has its own run folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder whose files come back}"
@@ -27,6 +28,8 @@ fi
 [ -x "$work/bin/dspark" ] || { echo "no dspark in $work: carry .device on the first call" >&2; exit 1; }
 export LD_LIBRARY_PATH="$work/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 dspark="$work/bin/dspark"
+gamma=${GAMMA:-7}
+run="$work/draft-gamma$gamma"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 df -h "$work" | tail -1
 
@@ -47,14 +50,14 @@ case "${1:-}" in
     for manifest in "$work"/part*/manifest.json; do parts+=("$(dirname "$manifest")"); done
     [ -f "$work/data/manifest.json" ] || python3 tools/merge_regen.py "$work/data" "${parts[@]}"
     resume=()
-    [ -d "$work/draft" ] && resume=(--resume)
-    "$dspark" train --device cuda -m models/dspark-target --data "$work/data" -o "$work/draft" "${resume[@]}" \
-      --iters "$iterations" "${stop[@]}" --batch 128 --lr 1.5e-3 --warmup 500 --gamma 7 --d-draft 256 --layers 2 \
+    [ -d "$run" ] && resume=(--resume)
+    "$dspark" train --device cuda -m models/dspark-target --data "$work/data" -o "$run" "${resume[@]}" \
+      --iters "$iterations" "${stop[@]}" --batch 128 --lr 1.5e-3 --warmup 500 --gamma "$gamma" --d-draft 256 --layers 2 \
       --heads 4 --markov-rank 64 --max-ctx 256 --eval-every 2000 --save-every 10000 --eval-anchors 1024 --seed 1 \
       >"$OUT/train.log" 2>&1 || { tail -30 "$OUT/train.log"; exit 1; }
     tail -12 "$OUT/train.log"
-    cp "$work/draft/train_log.jsonl" "$OUT/"
-    [ -d "$work/draft/best" ] && cp -r "$work/draft/best" "$OUT/best"
+    cp "$run/train_log.jsonl" "$OUT/"
+    [ -d "$run/best" ] && cp -r "$run/best" "$OUT/best"
     ;;
   *)
     echo "usage: tools/train_drafter.sh regen PART | train ITERS [STOP]" >&2

@@ -50,11 +50,6 @@ struct BenchDecodeFlags {
   bool json = false;
 };
 
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  return values[values.size() / 2];
-}
-
 // Bytes one decode step must read: every weight the step touches once (the
 // embedding only as the rows it gathers), plus each sequence's KV cache.
 double decode_step_bytes(const ModelConfig& c, double weight_bytes_per_element, int batch, double context) {

@@ -77,11 +77,6 @@ struct BenchTrainFlags {
 };
 
 #ifdef DSPARK_CUDA
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  return values[values.size() / 2];
-}
-
 // A anchors of `context` rows each, random rows in bf16 (as the trainer builds them for the GPU from
 // regenerated data), random ids, every position trained.
 TrainBatch random_batch(const DrafterConfig& config, const TargetDims& dims, int anchors, int context, uint64_t seed) {

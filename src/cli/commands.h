@@ -1,9 +1,11 @@
 // The verbs of the `dspark` command; each file adds one subcommand.
 #pragma once
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 namespace dspark::cli {
 
@@ -30,6 +32,12 @@ inline std::string default_model_directory() { return (models_directory() / "dsp
 inline std::string default_drafter_directory() { return (models_directory() / "dspark-drafter").string(); }
 
 // --device cpu|cuda|auto (auto: cuda when a GPU is present).
+// The median of timed runs (the upper middle value for an even count).
+inline double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
 inline void add_device_option(CLI::App& command, std::string& device) {
   command.add_option("--device", device, "cpu, cuda, or auto (cuda when a GPU is present)")
       ->capture_default_str()

@@ -1,15 +1,17 @@
 // dspark demo: the README's first command. With no flags it loads the shipped
 // target (models/dspark-target) and its DSpark drafter (models/dspark-drafter),
 // continues a held-out code prompt plainly and then speculatively (same
-// prompt, same settings, greedy), each after an untimed warm-up pass, prints
-// the text once and reports both speeds, their ratio, tau and acceptance by
-// position, and whether the two texts are identical (at temperature 0 they
-// must be: a difference is an error).
+// prompt, same settings, greedy), each after an untimed warm-up pass and then
+// over several timed passes that alternate the modes, prints the text once
+// and reports both speeds, their ratio, tau and acceptance by position, and
+// whether the two texts are identical (at temperature 0 they must be: a
+// difference is an error).
 //
 // A verb of its own rather than a mode of `generate`: generate is one run
 // that streams text and stays scriptable (its --json is one result); the demo
-// is a measurement that decodes the same prompt twice and compares.
+// is a measurement that decodes the same prompt both ways, several times, and compares.
 #include <cstdio>
+#include <functional>
 #include <iostream>
 
 #include "cli/commands.h"
@@ -39,6 +41,7 @@ struct DemoFlags {
   std::string draft = default_drafter_directory();
   std::string prompt;  // empty: the held-out prompt above
   int max_new_tokens = 128;
+  int passes = 5;  // timed passes of each mode
   float temperature = 0.0f;
   uint64_t seed = 0;
   int gamma = 0;  // 0: the drafter's own
@@ -132,23 +135,41 @@ void run_demo(const DemoFlags& flags) {
     std::printf("--- continuation (plain decoding, %s) ---\n", greedy ? "greedy" : "sampled");
     std::fflush(stdout);
   }
-  auto print = [&](size_t, int32_t token) {
+  const std::function<void(size_t, int32_t)> print = [&](size_t, int32_t token) {
     if (flags.json || (is_eos(config, token) && !flags.ignore_eos)) return;
     std::fputs(stream.push(token).c_str(), stdout);
     std::fflush(stdout);
   };
+  // Each mode runs `passes` times, alternating with the other, and its rate
+  // is the median pass's: a drift in this machine's speed (a shared host's
+  // memory bandwidth moves by tens of percent within minutes) then weighs on
+  // both modes alike, and a pass that another tenant slowed does not count.
   TimedDecoding plain, speculative;
-  timed_plain_decoding(*target, prompts, plain_options, &plain, print);
-  if (!flags.json) {
-    std::fputs(stream.finish().c_str(), stdout);
-    std::printf("\n");
-    std::fflush(stdout);
-    std::fprintf(stderr, "speculative decoding...\n");
+  std::vector<double> plain_rates, speculative_rates;  // [passes] tokens/s
+  auto timed_pass = [](TimedDecoding& record, std::vector<double>& rates, const auto& decode) {
+    const double seconds = record.seconds;
+    const long tokens = record.tokens;
+    decode();
+    rates.push_back((record.tokens - tokens) / (record.seconds - seconds));
+  };
+  for (int pass = 0; pass < flags.passes; ++pass) {
+    timed_pass(plain, plain_rates, [&] {
+      timed_plain_decoding(*target, prompts, plain_options, &plain, pass == 0 ? print : nullptr);
+    });
+    if (pass == 0 && !flags.json) {
+      std::fputs(stream.finish().c_str(), stdout);
+      std::printf("\n");
+      std::fflush(stdout);
+      std::fprintf(stderr, "speculative decoding...\n");
+    }
+    timed_pass(speculative, speculative_rates, [&] {
+      timed_speculative_decoding(*target, drafts, prompts, spec_options, &speculative, plain.outputs);
+    });
   }
-  timed_speculative_decoding(*target, drafts, prompts, spec_options, &speculative, plain.outputs);
+  const double plain_rate = median(plain_rates), speculative_rate = median(speculative_rates);
 
-  const bool identical = speculative.matched == 1;
-  const double speedup = speculative.tokens_per_s() / plain.tokens_per_s();
+  const bool identical = speculative.matched == flags.passes;
+  const double speedup = speculative_rate / plain_rate;
   const SpeculativeStats& stats = speculative.stats;
   const std::vector<double> acceptance = stats.acceptance_by_position();
   const double verified_per_round = stats.rounds ? double(stats.drafted) / stats.rounds : 0.0;
@@ -173,8 +194,8 @@ void run_demo(const DemoFlags& flags) {
   std::vector<int32_t> text_tokens = plain.outputs[0];
   if (plain.stop_reasons[0] == "eos") text_tokens.pop_back();
   if (flags.json) {
-    auto mode_json = [](const TimedDecoding& mode) {
-      return Json{{"tokens", mode.tokens}, {"seconds", mode.seconds}, {"tokens_per_s", mode.tokens_per_s()}};
+    auto mode_json = [](const TimedDecoding& mode, double rate, const std::vector<double>& rates) {
+      return Json{{"tokens", mode.tokens}, {"seconds", mode.seconds}, {"tokens_per_s", rate}, {"pass_tokens_per_s", rates}};
     };
     Json out = {{"text", tokenizer.decode(text_tokens)},
                 {"prompt_tokens", prompts[0].size()},
@@ -186,22 +207,22 @@ void run_demo(const DemoFlags& flags) {
                 {"schedule", flags.schedule},
                 {"temperature", flags.temperature},
                 {"stop_reason", plain.stop_reasons[0]},
-                {"plain", mode_json(plain)},
-                {"speculative", mode_json(speculative)},
+                {"plain", mode_json(plain, plain_rate, plain_rates)},
+                {"speculative", mode_json(speculative, speculative_rate, speculative_rates)},
                 {"speedup", speedup},
                 {"tau", stats.tau()},
                 {"rounds", stats.rounds},
                 {"verified_per_round", verified_per_round},
                 {"acceptance_by_position", acceptance},
-                {"text_identical", identical}};
+                {"text_identical", identical},
+                {"passes", flags.passes}};
     if (!flags.plot.empty()) out["plot"] = flags.plot;
     std::cout << out.dump(-1, ' ', false, Json::error_handler_t::replace) << std::endl;
   } else {
     std::printf("--- plain vs speculative decoding, %s ---\n", target->device_description().c_str());
     std::printf("%-22s %6s %8s %9s\n", "", "tokens", "seconds", "tokens/s");
-    std::printf("%-22s %6ld %8.2f %9.1f\n", "plain", plain.tokens, plain.seconds, plain.tokens_per_s());
-    std::printf("%-22s %6ld %8.2f %9.1f\n", "speculative", speculative.tokens, speculative.seconds,
-                speculative.tokens_per_s());
+    std::printf("%-22s %6ld %8.2f %9.1f\n", "plain", plain.tokens, plain.seconds, plain_rate);
+    std::printf("%-22s %6ld %8.2f %9.1f\n", "speculative", speculative.tokens, speculative.seconds, speculative_rate);
     std::printf("%-22s %.2fx\n", "speed-up", speedup);
     std::printf("%-22s %.2f tokens per target forward (%ld verify rounds, %.2f drafted tokens verified per round)\n",
                 "tau", stats.tau(), stats.rounds, verified_per_round);
@@ -214,9 +235,10 @@ void run_demo(const DemoFlags& flags) {
       std::printf("%-22s %s (sampling: each mode draws its own sample of the target's distribution)\n",
                   "text identical", identical ? "yes" : "no");
     std::printf(
-        "(drafter %s, gamma %d, schedule %s, temperature %g; each mode timed after an untimed warm-up "
-        "pass, prompt processing included)\n",
-        shown(flags.draft).c_str(), gamma, flags.schedule.c_str(), flags.temperature);
+        "(drafter %s, gamma %d, schedule %s, temperature %g; tokens and seconds summed over %d passes of "
+        "each mode, alternating, after an untimed warm-up pass; tokens/s the median pass's; prompt "
+        "processing included)\n",
+        shown(flags.draft).c_str(), gamma, flags.schedule.c_str(), flags.temperature, flags.passes);
     if (!flags.plot.empty()) std::printf("wrote %s\n", flags.plot.c_str());
     std::fflush(stdout);
   }
@@ -239,6 +261,9 @@ void add_demo_command(CLI::App& app) {
                       std::string("prompt text, used as given (default: ") + kDefaultPromptFile + " line " +
                           std::to_string(kDefaultPromptLine) + ")");
   command->add_option("-n,--max-tokens", flags->max_new_tokens, "tokens to generate")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  command->add_option("--passes", flags->passes, "timed passes of each mode, alternating plain and speculative")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   command->add_option("--temperature", flags->temperature, "0 = greedy (the texts must then be identical)")

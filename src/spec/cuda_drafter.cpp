@@ -23,7 +23,6 @@ using cuda::DeviceBuffer;
 
 constexpr int kMaxDraftBatch = 64;  // rows per step (and per graph bucket); more requests run as several steps
 constexpr int kExtendChunk = 256;   // context rows projected per pass of the extension
-constexpr int kMaxSplits = 16;      // KV splits of the block attention
 
 std::string layer_name(int layer, const char* tensor) { return "bb." + std::to_string(layer) + "." + tensor; }
 
@@ -438,7 +437,7 @@ void CudaDrafter::read_context(int id, int layer, std::vector<float>& keys, std:
 int CudaDrafter::attention_splits(int rows) const {
   // Enough CTAs for about two waves (a short context leaves some splits empty: they cost one tiny CTA).
   const long blocks = long(rows) * config_.num_heads;
-  return static_cast<int>(std::clamp<long>((2L * multiprocessors_ + blocks - 1) / blocks, 1, kMaxSplits));
+  return static_cast<int>(std::clamp<long>((2L * multiprocessors_ + blocks - 1) / blocks, 1, cuda::kMaxDraftSplits));
 }
 
 void CudaDrafter::ensure_rows(int rows) {

@@ -6,6 +6,8 @@ namespace dspark::cuda {
 namespace {
 
 __global__ void swiglu_kernel(bf16* out, const bf16* gate_up, int intermediate) {
+  wait_for_previous_kernel();
+  start_next_kernel();
   const long row = blockIdx.y;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= intermediate) return;
@@ -15,6 +17,8 @@ __global__ void swiglu_kernel(bf16* out, const bf16* gate_up, int intermediate) 
 }
 
 __global__ void gelu_tanh_gate_kernel(bf16* out, const bf16* gate_up, int intermediate) {
+  wait_for_previous_kernel();
+  start_next_kernel();
   const long row = blockIdx.y;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= intermediate) return;
@@ -27,13 +31,13 @@ __global__ void gelu_tanh_gate_kernel(bf16* out, const bf16* gate_up, int interm
 
 void swiglu_forward(bf16* out, const bf16* gate_up, int rows, int intermediate, cudaStream_t stream) {
   const dim3 grid(ceil_div(intermediate, 256), rows);
-  swiglu_kernel<<<grid, 256, 0, stream>>>(out, gate_up, intermediate);
+  launch_dependent(swiglu_kernel, grid, 256, 0, stream, out, gate_up, intermediate);
   CUDA_CHECK_LAUNCH();
 }
 
 void gelu_tanh_gate_forward(bf16* out, const bf16* gate_up, int rows, int intermediate, cudaStream_t stream) {
   const dim3 grid(ceil_div(intermediate, 256), rows);
-  gelu_tanh_gate_kernel<<<grid, 256, 0, stream>>>(out, gate_up, intermediate);
+  launch_dependent(gelu_tanh_gate_kernel, grid, 256, 0, stream, out, gate_up, intermediate);
   CUDA_CHECK_LAUNCH();
 }
 

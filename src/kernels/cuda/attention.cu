@@ -20,6 +20,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     attention_kernel(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_cache, AttentionBatch batch,
                      int heads, int kv_heads, int splits, int row_blocks, float* partial_out, float* partial_lse,
                      int total_rows) {
+  wait_for_previous_kernel();
+  start_next_kernel();
   constexpr int kPad = 2;  // row stride HEAD_DIM + 2 bf16: lanes reading their own key hit distinct banks
   constexpr int kDimsPerLane = HEAD_DIM >= 32 ? HEAD_DIM / 32 : 1;
   __shared__ __align__(16) bf16 keys[kBlockSize][HEAD_DIM + kPad];
@@ -158,6 +160,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 // unrolled so a split's loads do not wait for the previous split's.
 __global__ void merge_splits_kernel(bf16* out, const float* partial_out, const float* partial_lse, int splits,
                                     long row_heads, int head_dim) {
+  wait_for_previous_kernel();
+  start_next_kernel();
   const long row_head = blockIdx.x;
   float maximum = -INFINITY;
 #pragma unroll 8
@@ -183,8 +187,8 @@ void launch(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_c
   const int row_blocks =
       ceil_div(static_cast<long>(batch.max_query_length) * (heads / kv_heads), kAttentionRowsPerBlock);
   const dim3 grid(splits, kv_heads, batch.sequences * row_blocks);
-  attention_kernel<HEAD_DIM><<<grid, kWarps * 32, 0, stream>>>(
-      out, q, key_cache, value_cache, batch, heads, kv_heads, splits, row_blocks, partial_out, partial_lse, total_rows);
+  launch_dependent(attention_kernel<HEAD_DIM>, grid, kWarps * 32, 0, stream, out, q, key_cache, value_cache, batch,
+                   heads, kv_heads, splits, row_blocks, partial_out, partial_lse, total_rows);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -208,6 +212,8 @@ __global__ void __launch_bounds__(kDraftWarps * 32)
     bidirectional_attention_kernel(bf16* out, const bf16* q, const bf16* block_keys, const bf16* block_values,
                                    long block_stride, DraftAttentionBatch batch, int gamma, int heads, int head_dim,
                                    int splits, float* partial_out, float* partial_lse, unsigned* counters) {
+  wait_for_previous_kernel();
+  start_next_kernel();
   extern __shared__ __align__(16) unsigned char shared[];
   __shared__ bool merges;
   const int padded = head_dim + 2;
@@ -333,19 +339,40 @@ __global__ void __launch_bounds__(kDraftWarps * 32)
   __syncthreads();
   if (!merges) return;
   __threadfence();
+  // Only the splits that hold keys (the rest wrote nothing to add). Each
+  // split's weight per query is computed once into shared memory; then every
+  // output element issues all its splits' loads at once: a loop of dependent
+  // L2 round trips (one per split and element) cost the step 25 us per layer.
+  const int active = (tiles + tiles_per_split - 1) / tiles_per_split;
+  __shared__ float split_weight[kMaxDraftSplits][kMaxDraftQueries], weight_total[kMaxDraftQueries];
+  for (int k = threadIdx.x; k < gamma; k += kDraftWarps * 32) {
+    float lse[kMaxDraftSplits];
+#pragma unroll
+    for (int s = 0; s < kMaxDraftSplits; ++s)
+      lse[s] = s < active ? __ldcg(partial_lse + (partial_base + s) * gamma + k) : -INFINITY;
+    float maximum = -INFINITY;
+#pragma unroll
+    for (int s = 0; s < kMaxDraftSplits; ++s) maximum = fmaxf(maximum, lse[s]);
+    float sum = 0.0f;
+#pragma unroll
+    for (int s = 0; s < kMaxDraftSplits; ++s) {
+      split_weight[s][k] = lse[s] == -INFINITY ? 0.0f : __expf(lse[s] - maximum);
+      sum += split_weight[s][k];
+    }
+    weight_total[k] = sum;
+  }
+  __syncthreads();
   for (int i = threadIdx.x; i < gamma * head_dim; i += kDraftWarps * 32) {
     const int k = i / head_dim, dim = i % head_dim;
-    float maximum = -INFINITY;
-    for (int s = 0; s < splits; ++s) maximum = fmaxf(maximum, __ldcg(partial_lse + (partial_base + s) * gamma + k));
-    float total_value = 0.0f, weight_sum = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-      const float lse = __ldcg(partial_lse + (partial_base + s) * gamma + k);
-      const float weight = lse == -INFINITY ? 0.0f : __expf(lse - maximum);  // empty splits wrote zeros
-      weight_sum += weight;
-      total_value += weight * __ldcg(partial_out + ((partial_base + s) * gamma + k) * head_dim + dim);
-    }
+    float value[kMaxDraftSplits];
+#pragma unroll
+    for (int s = 0; s < kMaxDraftSplits; ++s)
+      value[s] = s < active ? __ldcg(partial_out + ((partial_base + s) * gamma + k) * head_dim + dim) : 0.0f;
+    float total = 0.0f;
+#pragma unroll
+    for (int s = 0; s < kMaxDraftSplits; ++s) total += split_weight[s][k] * value[s];
     out[(static_cast<long>(k) * rows + b) * width + head_offset + dim] =
-        __float2bfloat16(weight_sum > 0.0f ? total_value / weight_sum : 0.0f);
+        __float2bfloat16(weight_total[k] > 0.0f ? total / weight_total[k] : 0.0f);
   }
   if (threadIdx.x == 0) counters[static_cast<long>(b) * heads + head] = 0;  // ready for the next launch
 }
@@ -365,10 +392,9 @@ void launch_bidirectional(bf16* out, const bf16* q, const bf16* block_keys, cons
   }();
   (void)opted_in;
   const dim3 grid(splits, heads, batch.rows);
-  bidirectional_attention_kernel<DIMS_PER_LANE>
-      <<<grid, kDraftWarps * 32, bidirectional_shared_bytes(gamma, head_dim), stream>>>(
-          out, q, block_keys, block_values, block_stride, batch, gamma, heads, head_dim, splits, partial_out,
-          partial_lse, counters);
+  launch_dependent(bidirectional_attention_kernel<DIMS_PER_LANE>, grid, kDraftWarps * 32,
+                   bidirectional_shared_bytes(gamma, head_dim), stream, out, q, block_keys, block_values, block_stride,
+                   batch, gamma, heads, head_dim, splits, partial_out, partial_lse, counters);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -382,7 +408,8 @@ void bidirectional_attention_forward(bf16* out, const bf16* q, const bf16* block
                " is not supported (a multiple of 8, at most 256)");
   DSPARK_CHECK(gamma >= 1 && gamma <= kMaxDraftQueries, "draft attention: gamma ", gamma, " is outside 1..",
                kMaxDraftQueries);
-  DSPARK_CHECK(splits >= 1, "draft attention: splits must be positive");
+  DSPARK_CHECK(splits >= 1 && splits <= kMaxDraftSplits, "draft attention: splits ", splits, " is outside 1..",
+               kMaxDraftSplits);
   if (batch.rows == 0) return;
   auto launch = head_dim <= 32    ? launch_bidirectional<1>
                 : head_dim <= 64  ? launch_bidirectional<2>
@@ -405,8 +432,8 @@ void attention_forward(bf16* out, const bf16* q, const bf16* key_cache, const bf
                       partial_lse, stream);
   if (splits > 1) {
     const long row_heads = static_cast<long>(total_rows) * heads;
-    merge_splits_kernel<<<dim3(row_heads), dim3(min(head_dim, 256)), 0, stream>>>(out, partial_out, partial_lse, splits,
-                                                                                  row_heads, head_dim);
+    launch_dependent(merge_splits_kernel, dim3(row_heads), dim3(min(head_dim, 256)), 0, stream, out, partial_out,
+                     partial_lse, splits, row_heads, head_dim);
     CUDA_CHECK_LAUNCH();
   }
 }

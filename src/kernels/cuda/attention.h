@@ -69,6 +69,7 @@ constexpr int kSplitTiles = 1;
 // results, so the op is one kernel launch. partial_out [B*heads*splits*γ*head_dim]
 // and partial_lse [B*heads*splits*γ] are scratch, used only when splits > 1.
 constexpr int kMaxDraftQueries = 32;  // γ <= 32
+constexpr int kMaxDraftSplits = 16;   // splits <= 16
 
 struct DraftAttentionBatch {
   const __nv_bfloat16* const* context_keys;    // [B] (may be null where context_length is 0)
@@ -78,7 +79,7 @@ struct DraftAttentionBatch {
   int rows;                                    // B
 };
 
-// head_dim a multiple of 8, at most 256; gamma <= kMaxDraftQueries.
+// head_dim a multiple of 8, at most 256; gamma <= kMaxDraftQueries; splits <= kMaxDraftSplits.
 void bidirectional_attention_forward(__nv_bfloat16* out, const __nv_bfloat16* q, const __nv_bfloat16* block_keys,
                                      const __nv_bfloat16* block_values, long block_stride,
                                      const DraftAttentionBatch& batch, int gamma, int heads, int head_dim,

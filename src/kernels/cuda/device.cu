@@ -1,7 +1,10 @@
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
+#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device.h"
 
@@ -16,6 +19,18 @@ int device_count() {
   return count;
 }
 
+bool dependent_launches_enabled() {
+  static const bool enabled = [] {
+    const char* setting = std::getenv("DSPARK_PDL");
+    if (setting && std::string(setting) == "0") return false;
+    int device = 0, major = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    return major >= 9;
+  }();
+  return enabled;
+}
+
 std::string device_description(int index) {
   cudaDeviceProp properties{};
   CUDA_CHECK(cudaGetDeviceProperties(&properties, index));
@@ -28,6 +43,26 @@ std::string device_description(int index) {
 }  // namespace dspark::cuda
 
 namespace dspark::cuda {
+
+namespace {
+
+__global__ void hold_kernel(long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) __nanosleep(1000);
+}
+
+}  // namespace
+
+void hold_stream(cudaStream_t stream, int microseconds) {
+  static const int cycles_per_microsecond = [] {
+    int device = 0, kilohertz = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&kilohertz, cudaDevAttrClockRate, device));
+    return kilohertz / 1000;
+  }();
+  hold_kernel<<<1, 1, 0, stream>>>(static_cast<long long>(microseconds) * cycles_per_microsecond);
+  CUDA_CHECK_LAUNCH();
+}
 
 double measure_copy_bandwidth(size_t bytes) {
   void *source = nullptr, *destination = nullptr;

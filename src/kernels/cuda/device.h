@@ -1,5 +1,7 @@
 // The CUDA devices this process can see.
 #pragma once
+#include <cuda_runtime.h>
+
 #include <string>
 
 namespace dspark::cuda {
@@ -18,5 +20,10 @@ namespace dspark::cuda {
 // plus bytes written, median of several copies of `bytes` after a warm-up:
 // the ceiling a memory-bound kernel can be compared against.
 double measure_copy_bandwidth(size_t bytes);
+
+// Keeps `stream` busy for about `microseconds` with one spinning thread, so
+// that the host can queue the work after it ahead of the GPU: a profiler's
+// events then time kernels back to back, not the host's launch rate.
+void hold_stream(cudaStream_t stream, int microseconds);
 
 }  // namespace dspark::cuda

@@ -11,6 +11,8 @@ constexpr int kThreads = 256;
 
 __global__ void draft_block_kernel(float* block, const float* token_rows, const float* mask_embedding,
                                    const float* block_position, int rows, int dim) {
+  wait_for_previous_kernel();
+  start_next_kernel();
   const int row = blockIdx.x;  // position * rows + b
   const int position = row / rows, b = row % rows;
   const float* source =
@@ -25,6 +27,8 @@ __global__ void __launch_bounds__(kThreads)
     sequential_head_prepare_kernel(float* e, float* recurrent_input, float* state, const float* hidden, int position,
                                    int rows, int rank, int width, int vocab, int kind, SequentialHeadWeights weights,
                                    const DraftControl* control, SequentialHeadState head) {
+  wait_for_previous_kernel();
+  start_next_kernel();
   __shared__ float scratch[32];
   const int b = blockIdx.x;
   const int previous_slot = (position - 1) * rows + b;
@@ -70,6 +74,8 @@ __global__ void __launch_bounds__(kThreads)
 
 __global__ void recurrent_update_kernel(float* state, float* output, const float* pre, const float* e, int rank,
                                         int kind) {
+  wait_for_previous_kernel();
+  start_next_kernel();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   const long b = blockIdx.y;
   if (i >= rank) return;
@@ -85,6 +91,8 @@ __global__ void recurrent_update_kernel(float* state, float* output, const float
 }
 
 __global__ void scatter_rows_kernel(bf16* const* destinations, const bf16* rows, int width) {
+  wait_for_previous_kernel();
+  start_next_kernel();
   bf16* destination = destinations[blockIdx.x];
   if (!destination) return;
   const bf16* source = rows + static_cast<long>(blockIdx.x) * width;
@@ -98,17 +106,23 @@ __device__ inline uint16_t bf16_bits(float value) {
 }
 
 __global__ void f32_to_bf16_kernel(uint16_t* out, const float* in, long count) {
+  wait_for_previous_kernel();
+  start_next_kernel();
   for (long i = blockIdx.x * long(kThreads) + threadIdx.x; i < count; i += long(gridDim.x) * kThreads)
     out[i] = bf16_bits(in[i]);
 }
 
 __global__ void gather_f32_to_bf16_kernel(uint16_t* out, const float* const* sources, int width) {
+  wait_for_previous_kernel();
+  start_next_kernel();
   const float* source = sources[blockIdx.x];
   uint16_t* row = out + static_cast<long>(blockIdx.x) * width;
   for (int i = threadIdx.x; i < width; i += kThreads) row[i] = bf16_bits(source[i]);
 }
 
 __global__ void gather_staged_rows_kernel(bf16* rows, const bf16* staged, const int32_t* sources, int width) {
+  wait_for_previous_kernel();
+  start_next_kernel();
   const int32_t source = sources[blockIdx.x];
   if (source == kKeepRow) return;
   bf16* destination = rows + static_cast<long>(blockIdx.x) * width;
@@ -125,28 +139,30 @@ __global__ void gather_staged_rows_kernel(bf16* rows, const bf16* staged, const 
 void f32_to_bf16_forward(bf16* out, const float* in, long count, cudaStream_t stream) {
   if (count <= 0) return;
   const long blocks = std::min<long>((count + kThreads - 1) / kThreads, 4096);
-  f32_to_bf16_kernel<<<static_cast<int>(blocks), kThreads, 0, stream>>>(reinterpret_cast<uint16_t*>(out), in, count);
+  launch_dependent(f32_to_bf16_kernel, static_cast<int>(blocks), kThreads, 0, stream, reinterpret_cast<uint16_t*>(out),
+                   in, count);
   CUDA_CHECK_LAUNCH();
 }
 
 void gather_f32_to_bf16_forward(bf16* out, const float* const* sources, int rows, int width, cudaStream_t stream) {
   if (rows <= 0) return;
-  gather_f32_to_bf16_kernel<<<rows, kThreads, 0, stream>>>(reinterpret_cast<uint16_t*>(out), sources, width);
+  launch_dependent(gather_f32_to_bf16_kernel, rows, kThreads, 0, stream, reinterpret_cast<uint16_t*>(out), sources,
+                   width);
   CUDA_CHECK_LAUNCH();
 }
 
 void gather_staged_rows_forward(bf16* rows, const bf16* staged, const int32_t* sources, int count, int width,
                                 cudaStream_t stream) {
   if (count == 0) return;
-  gather_staged_rows_kernel<<<count, kThreads, 0, stream>>>(rows, staged, sources, width);
+  launch_dependent(gather_staged_rows_kernel, count, kThreads, 0, stream, rows, staged, sources, width);
   CUDA_CHECK_LAUNCH();
 }
 
 void draft_block_forward(float* block, const float* token_rows, const float* mask_embedding,
                          const float* block_position, int rows, int gamma, int dim, cudaStream_t stream) {
   if (rows * gamma == 0) return;
-  draft_block_kernel<<<rows * gamma, kThreads, 0, stream>>>(block, token_rows, mask_embedding, block_position, rows,
-                                                            dim);
+  launch_dependent(draft_block_kernel, rows * gamma, kThreads, 0, stream, block, token_rows, mask_embedding,
+                   block_position, rows, dim);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -157,9 +173,8 @@ void sequential_head_prepare_forward(float* e, float* recurrent_input, float* st
   DSPARK_CHECK(position >= 0 && position < kMaxDraftGamma, "draft head: position ", position, " is outside 0..",
                kMaxDraftGamma - 1);
   if (rows == 0) return;
-  sequential_head_prepare_kernel<<<rows, kThreads, 0, stream>>>(e, recurrent_input, state, hidden, position, rows, rank,
-                                                                width, vocab, static_cast<int>(kind), weights, control,
-                                                                head);
+  launch_dependent(sequential_head_prepare_kernel, rows, kThreads, 0, stream, e, recurrent_input, state, hidden,
+                   position, rows, rank, width, vocab, static_cast<int>(kind), weights, control, head);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -168,13 +183,14 @@ void recurrent_update_forward(float* state, float* output, const float* pre, con
   DSPARK_CHECK(kind != SequentialHeadKind::Markov, "recurrent_update_forward: the Markov head has no state");
   if (rows == 0) return;
   const dim3 grid(ceil_div(rank, kThreads), rows);
-  recurrent_update_kernel<<<grid, kThreads, 0, stream>>>(state, output, pre, e, rank, static_cast<int>(kind));
+  launch_dependent(recurrent_update_kernel, grid, kThreads, 0, stream, state, output, pre, e, rank,
+                   static_cast<int>(kind));
   CUDA_CHECK_LAUNCH();
 }
 
 void scatter_rows_forward(bf16* const* destinations, const bf16* rows, int count, int width, cudaStream_t stream) {
   if (count == 0) return;
-  scatter_rows_kernel<<<count, kThreads, 0, stream>>>(destinations, rows, width);
+  launch_dependent(scatter_rows_kernel, count, kThreads, 0, stream, destinations, rows, width);
   CUDA_CHECK_LAUNCH();
 }
 

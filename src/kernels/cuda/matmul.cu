@@ -117,6 +117,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
                 int out_features, ResidualNorm norm, int residual_norm_vectors) {
   constexpr bool kGated = EPILOGUE == Epilogue::Silu || EPILOGUE == Epilogue::GeluTanh;
   constexpr int kWeightRows = kGated ? 2 * FEATURES : FEATURES;
+  wait_for_previous_kernel();
+  start_next_kernel();
   const int lane = threadIdx.x & 31;
   const int first_feature = (blockIdx.x * kGemvWarps + (threadIdx.x >> 5)) * FEATURES;
   const int features = min(FEATURES, out_features - first_feature);  // the same for the whole warp
@@ -186,11 +188,11 @@ void launch_gemv(void* out, bool out_f32, const bf16* x, const bf16* weight, con
                  int features_per_warp, const ResidualNorm& norm, cudaStream_t stream) {
   const int vectors = EPILOGUE == Epilogue::ResidualNorm ? residual_norm_vectors(out_features, norm.tap_stride) : 0;
   if (features_per_warp == 4)
-    gemv_kernel<ROWS, 4, EPILOGUE><<<ceil_div(out_features, kGemvWarps * 4), kGemvWarps * 32, 0, stream>>>(
-        out, out_f32, x, weight, bias, in, out_features, norm, vectors);
+    launch_dependent(gemv_kernel<ROWS, 4, EPILOGUE>, ceil_div(out_features, kGemvWarps * 4), kGemvWarps * 32, 0, stream,
+                     out, out_f32, x, weight, bias, in, out_features, norm, vectors);
   else
-    gemv_kernel<ROWS, 1, EPILOGUE><<<ceil_div(out_features, kGemvWarps), kGemvWarps * 32, 0, stream>>>(
-        out, out_f32, x, weight, bias, in, out_features, norm, vectors);
+    launch_dependent(gemv_kernel<ROWS, 1, EPILOGUE>, ceil_div(out_features, kGemvWarps), kGemvWarps * 32, 0, stream,
+                     out, out_f32, x, weight, bias, in, out_features, norm, vectors);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -224,6 +226,8 @@ template <int TILES, Epilogue EPILOGUE>
 __global__ void __launch_bounds__(kMmaWarps * 32)
     tensor_gemv_kernel(void* out, bool out_f32, const bf16* x, const bf16* weight, const bf16* bias, int rows, int in,
                        int out_features, ResidualNorm norm, int residual_norm_vectors) {
+  wait_for_previous_kernel();
+  start_next_kernel();
   constexpr bool kGated = EPILOGUE == Epilogue::Silu || EPILOGUE == Epilogue::GeluTanh;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   // Fragment rows g and g + 8: output features (gated: feature g's gate and up rows).
@@ -303,12 +307,9 @@ void tensor_gemv_forward(void* out, MatmulOutput out_type, const bf16* x, const 
   const int vectors = EPILOGUE == Epilogue::ResidualNorm ? residual_norm_vectors(out_features, norm.tap_stride) : 0;
   const int blocks = ceil_div(out_features, kGated ? 8 : 16);
   const bool f32 = out_type == MatmulOutput::F32;
-  if (rows <= 8)
-    tensor_gemv_kernel<1, EPILOGUE><<<blocks, kMmaWarps * 32, 0, stream>>>(out, f32, x, weight, bias, rows, in,
-                                                                           out_features, norm, vectors);
-  else
-    tensor_gemv_kernel<2, EPILOGUE><<<blocks, kMmaWarps * 32, 0, stream>>>(out, f32, x, weight, bias, rows, in,
-                                                                           out_features, norm, vectors);
+  auto kernel = rows <= 8 ? tensor_gemv_kernel<1, EPILOGUE> : tensor_gemv_kernel<2, EPILOGUE>;
+  launch_dependent(kernel, blocks, kMmaWarps * 32, 0, stream, out, f32, x, weight, bias, rows, in, out_features, norm,
+                   vectors);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -627,6 +628,8 @@ __global__ void __launch_bounds__(kInOutSlices * 32)
     matmul_in_out_kernel(float* out, const float* x, const Weight* weight, const float* bias, int rows, int in,
                          int out_features, bool accumulate, const int32_t* run_if,
                          unsigned long long* argmax_keys) {
+  wait_for_previous_kernel();
+  start_next_kernel();
   if (run_if && *run_if == 0) return;  // the whole block leaves: no barrier is skipped
   __shared__ __align__(16) float partial[kInOutSlices][kInOutColumns];
   const int lane = threadIdx.x & 31, slice = threadIdx.x >> 5;
@@ -696,8 +699,8 @@ void launch_in_out(float* out, const float* x, const Weight* weight, const float
                 : row_block == 2 ? matmul_in_out_kernel<Weight, 2, VECTOR, ARGMAX>
                 : row_block == 4 ? matmul_in_out_kernel<Weight, 4, VECTOR, ARGMAX>
                                  : matmul_in_out_kernel<Weight, 8, VECTOR, ARGMAX>;
-  kernel<<<grid, kInOutSlices * 32, 0, stream>>>(out, x, weight, bias, rows, in, out_features, accumulate, run_if,
-                                                 argmax_keys);
+  launch_dependent(kernel, grid, kInOutSlices * 32, 0, stream, out, x, weight, bias, rows, in, out_features, accumulate,
+                   run_if, argmax_keys);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -717,6 +720,8 @@ void in_out_forward(float* out, const float* x, const Weight* weight, const floa
 }
 
 __global__ void argmax_tokens_kernel(int32_t* tokens, const unsigned long long* keys, int count) {
+  wait_for_previous_kernel();
+  start_next_kernel();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < count) tokens[i] = argmax_index(keys[i]);
 }
@@ -744,7 +749,7 @@ void matmul_in_out_argmax_forward(float* out, const float* x, const bf16* weight
 
 void argmax_tokens_forward(int32_t* tokens, const unsigned long long* argmax_keys, int count, cudaStream_t stream) {
   if (count == 0) return;
-  argmax_tokens_kernel<<<ceil_div(count, 256), 256, 0, stream>>>(tokens, argmax_keys, count);
+  launch_dependent(argmax_tokens_kernel, ceil_div(count, 256), 256, 0, stream, tokens, argmax_keys, count);
   CUDA_CHECK_LAUNCH();
 }
 

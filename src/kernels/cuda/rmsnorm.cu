@@ -13,6 +13,8 @@ constexpr int kThreads = 256;
 // the normed row (the row is re-read from L1/L2, never from HBM twice).
 __global__ void residual_add_rmsnorm_kernel(float* residual, const bf16* delta, bf16* out, const float* weight, int dim,
                                             float eps, float* residual_tap, float* normed_tap, long tap_stride) {
+  wait_for_previous_kernel();
+  start_next_kernel();
   __shared__ float scratch[32];
   const long row = blockIdx.x;
   float* x = residual + row * dim;
@@ -40,6 +42,8 @@ template <int VECTORS>
 __global__ void __launch_bounds__(kResidualNormThreads)
     residual_add_rmsnorm_vector_kernel(float* residual, const bf16* delta, bf16* out, const float* weight, int dim,
                                        float eps, float* residual_tap, float* normed_tap, long tap_stride) {
+  wait_for_previous_kernel();
+  start_next_kernel();
   __shared__ float scratch[32];
   const long row = blockIdx.x;
   residual_add_rmsnorm_row<VECTORS>(residual + row * dim, delta ? delta + row * dim : nullptr, out + row * dim, weight,
@@ -55,11 +59,11 @@ void launch(float* residual, const bf16* delta, bf16* out, const float* weight, 
                   : vectors == 2 ? residual_add_rmsnorm_vector_kernel<2>
                   : vectors == 4 ? residual_add_rmsnorm_vector_kernel<4>
                                  : residual_add_rmsnorm_vector_kernel<8>;
-    kernel<<<rows, kResidualNormThreads, 0, stream>>>(residual, delta, out, weight, dim, eps, residual_tap, normed_tap,
-                                                      tap_stride);
+    launch_dependent(kernel, rows, kResidualNormThreads, 0, stream, residual, delta, out, weight, dim, eps,
+                     residual_tap, normed_tap, tap_stride);
   } else {
-    residual_add_rmsnorm_kernel<<<rows, kThreads, 0, stream>>>(residual, delta, out, weight, dim, eps, residual_tap,
-                                                               normed_tap, tap_stride);
+    launch_dependent(residual_add_rmsnorm_kernel, rows, kThreads, 0, stream, residual, delta, out, weight, dim, eps,
+                     residual_tap, normed_tap, tap_stride);
   }
   CUDA_CHECK_LAUNCH();
 }

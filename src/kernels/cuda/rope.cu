@@ -15,6 +15,8 @@ __global__ void qkv_rope_kv_append_kernel(bf16* q_out, const bf16* qkv, const fl
                                           const float2* rope_table, bf16* key_cache, bf16* value_cache,
                                           const int32_t* slots, int heads, int kv_heads, int head_dim,
                                           float eps) {
+  wait_for_previous_kernel();
+  start_next_kernel();
   const int lane = threadIdx.x & 31;
   const int head = blockIdx.y * kWarps + (threadIdx.x >> 5);
   if (head >= heads + 2 * kv_heads) return;
@@ -66,9 +68,8 @@ void qkv_rope_kv_append_forward(bf16* q_out, const bf16* qkv, const float* q_nor
                                 bf16* value_cache, const int32_t* slots, int rows, int heads, int kv_heads,
                                 int head_dim, float eps, cudaStream_t stream) {
   const dim3 grid(rows, ceil_div(heads + 2 * kv_heads, kWarps));
-  qkv_rope_kv_append_kernel<<<grid, kWarps * 32, 0, stream>>>(q_out, qkv, q_norm, k_norm, positions,
-                                                              rope_table, key_cache, value_cache, slots,
-                                                              heads, kv_heads, head_dim, eps);
+  launch_dependent(qkv_rope_kv_append_kernel, grid, kWarps * 32, 0, stream, q_out, qkv, q_norm, k_norm, positions,
+                   rope_table, key_cache, value_cache, slots, heads, kv_heads, head_dim, eps);
   CUDA_CHECK_LAUNCH();
 }
 

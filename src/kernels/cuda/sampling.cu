@@ -43,6 +43,8 @@ __device__ int block_argmax(const float* logits, int vocab, float* scratch_value
 __global__ void __launch_bounds__(kThreads)
     select_tokens_kernel(int32_t* out, const float* all_logits, const float* uniforms,
                          const DeviceSamplingParams* params_pointer, int vocab) {
+  wait_for_previous_kernel();
+  start_next_kernel();
   __shared__ float scratch[32];
   __shared__ int scratch_indices[32];
   __shared__ float chunk_sums[kThreads];
@@ -151,6 +153,8 @@ __global__ void __launch_bounds__(kThreads)
 
 __global__ void __launch_bounds__(kThreads)
     token_nll_kernel(float* out, const float* all_logits, const int32_t* targets, int vocab) {
+  wait_for_previous_kernel();
+  start_next_kernel();
   __shared__ float scratch[32];
   const float* logits = all_logits + static_cast<long>(blockIdx.x) * vocab;
   float local_max = -INFINITY;
@@ -166,13 +170,13 @@ __global__ void __launch_bounds__(kThreads)
 
 void select_tokens_forward(int32_t* out, const float* logits, const float* uniforms,
                            const DeviceSamplingParams* params, int rows, int vocab, cudaStream_t stream) {
-  select_tokens_kernel<<<rows, kThreads, 0, stream>>>(out, logits, uniforms, params, vocab);
+  launch_dependent(select_tokens_kernel, rows, kThreads, 0, stream, out, logits, uniforms, params, vocab);
   CUDA_CHECK_LAUNCH();
 }
 
 void token_nll_forward(float* out, const float* logits, const int32_t* targets, int rows, int vocab,
                        cudaStream_t stream) {
-  token_nll_kernel<<<rows, kThreads, 0, stream>>>(out, logits, targets, vocab);
+  launch_dependent(token_nll_kernel, rows, kThreads, 0, stream, out, logits, targets, vocab);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -1,7 +1,10 @@
 // Per-op GPU times of a step, for finding where a step's time goes. When the
 // environment variable given at construction is "1", the owner runs its steps
 // eagerly and marks an event after each op; the mean time per op and per step
-// is printed to stderr when the profiler is destroyed. (DSPARK_PROFILE: the
+// is printed to stderr when the profiler is destroyed. Each step starts with
+// the stream held for 20 ms (hold_stream) while the host queues the step, so
+// the times are the kernels' own, not eager launch gaps (a caller's own
+// timing of a profiled step includes the hold). (DSPARK_PROFILE: the
 // CUDA target's decode steps, or with DSPARK_PROFILE_TOKENS=k its steps of k
 // tokens per sequence; DSPARK_DRAFT_PROFILE: the CUDA drafter's steps.)
 #pragma once
@@ -14,6 +17,7 @@
 #include <vector>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device.h"
 
 namespace dspark::cuda {
 
@@ -37,6 +41,7 @@ class StepProfiler {
   bool enabled() const { return enabled_; }
   void mark(const char* name, cudaStream_t stream) {
     if (!enabled_) return;
+    if (marks_ == 0) hold_stream(stream, kHoldMicroseconds);
     if (marks_ == events_.size()) {
       events_.emplace_back();
       CUDA_CHECK(cudaEventCreate(&events_.back()));
@@ -73,6 +78,7 @@ class StepProfiler {
   std::vector<cudaEvent_t> events_;
   std::vector<std::string> names_;
   static constexpr long kWarmupSteps = 3;
+  static constexpr int kHoldMicroseconds = 20000;  // longer than queueing the longest step's launches
   size_t marks_ = 0;
   long steps_ = 0, seen_ = 0;
   std::map<std::string, double> totals_;
