@@ -6,6 +6,11 @@
 # runtimes; the cairo driver and its libraries for PNG plots, packed), the
 # binaries and libraries xz-compressed (the device tool carries at most 64 MiB
 # with the tree); tests/tools/device_unpack.sh, run there first, restores them.
+# The tree (~63 MB) and all of .device (~15 MB) exceed that together: carry
+# .device without what a call does not need (plot-runtime.tar.gz, one of the
+# binaries), and move models/dspark-drafter-gamma10 out of the checkout for
+# the call when it is not used there (a tracked file missing from the working
+# tree does not travel), then back.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 scripts/build.sh >/dev/null
