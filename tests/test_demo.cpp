@@ -44,36 +44,43 @@ std::string heldout_code_prompt(int line) {
   return "";
 }
 
+// Each shipped drafter (gamma 7, the default, and gamma 10) loads for the
+// shipped target, belongs to it and decodes losslessly at its own gamma.
 TEST(ShippedModels, LoadBelongTogetherAndDecodeLosslessly) {
   const std::filesystem::path target_directory = kSourceTree / "models/dspark-target";
-  const std::filesystem::path drafter_directory = kSourceTree / "models/dspark-drafter";
-  if (!std::filesystem::exists(target_directory) || !std::filesystem::exists(drafter_directory))
-    GTEST_SKIP() << "models/dspark-target or models/dspark-drafter is absent from " << kSourceTree
-                 << " (the repository ships both; nothing to check without them)";
+  if (!std::filesystem::exists(target_directory))
+    GTEST_SKIP() << "models/dspark-target is absent from " << kSourceTree
+                 << " (the repository ships it; nothing to check without it)";
   const std::unique_ptr<Target> target = load_target(target_directory, "cpu");
   const Tokenizer tokenizer = Tokenizer::load(target_directory);
-  // load_draft_source refuses a drafter whose dimensions or taps do not fit the target
-  // (check_drafter_matches_target); a drafter trained for another target only warns there.
-  LoadedDraftSource source = load_draft_source(drafter_directory.string(), target_directory, *target, 0.0f);
-  ASSERT_TRUE(source.drafter);
-  EXPECT_EQ(source.drafter->target_id, target_id_of(target_directory));
-  EXPECT_EQ(source.drafter->dims.hidden_size, target->config().hidden_size);
-  EXPECT_EQ(source.drafter->dims.vocab_size, target->config().vocab_size);
+  for (auto [drafter_name, gamma] : {std::pair{"dspark-drafter", 7}, std::pair{"dspark-drafter-gamma10", 10}}) {
+    SCOPED_TRACE(drafter_name);
+    const std::filesystem::path drafter_directory = kSourceTree / "models" / drafter_name;
+    ASSERT_TRUE(std::filesystem::exists(drafter_directory)) << "the repository ships " << drafter_directory;
+    // load_draft_source refuses a drafter whose dimensions or taps do not fit the target
+    // (check_drafter_matches_target); a drafter trained for another target only warns there.
+    LoadedDraftSource source = load_draft_source(drafter_directory.string(), target_directory, *target, 0.0f);
+    ASSERT_TRUE(source.drafter);
+    EXPECT_EQ(source.drafter->target_id, target_id_of(target_directory));
+    EXPECT_EQ(source.drafter->dims.hidden_size, target->config().hidden_size);
+    EXPECT_EQ(source.drafter->dims.vocab_size, target->config().vocab_size);
+    EXPECT_EQ(source.default_gamma, gamma);
 
-  for (int line : {2, 3}) {  // held-out prompts (the demo's own default is line 1)
-    const std::vector<std::vector<int32_t>> prompts = {tokenizer.encode(heldout_code_prompt(line))};
-    GenerateOptions plain_options;
-    plain_options.max_new_tokens = 16;
-    plain_options.ignore_eos = true;
-    const GenerateResult plain = generate(*target, prompts[0], plain_options);
-    SpeculativeOptions spec_options;
-    spec_options.max_new_tokens = 16;
-    spec_options.ignore_eos = true;
-    spec_options.gamma = source.default_gamma;
-    const SpeculativeResult spec = speculative_generate(*target, *source.source, prompts, spec_options)[0];
-    EXPECT_EQ(spec.tokens, plain.tokens) << "held-out prompt line " << line;
-    EXPECT_EQ(tokenizer.decode(spec.tokens), tokenizer.decode(plain.tokens));
-    EXPECT_GE(spec.stats.tau(), 1.0);
+    for (int line : {2, 3}) {  // held-out prompts (the demo's own default is line 20)
+      const std::vector<std::vector<int32_t>> prompts = {tokenizer.encode(heldout_code_prompt(line))};
+      GenerateOptions plain_options;
+      plain_options.max_new_tokens = 16;
+      plain_options.ignore_eos = true;
+      const GenerateResult plain = generate(*target, prompts[0], plain_options);
+      SpeculativeOptions spec_options;
+      spec_options.max_new_tokens = 16;
+      spec_options.ignore_eos = true;
+      spec_options.gamma = source.default_gamma;
+      const SpeculativeResult spec = speculative_generate(*target, *source.source, prompts, spec_options)[0];
+      EXPECT_EQ(spec.tokens, plain.tokens) << "held-out prompt line " << line;
+      EXPECT_EQ(tokenizer.decode(spec.tokens), tokenizer.decode(plain.tokens));
+      EXPECT_GE(spec.stats.tau(), 1.0);
+    }
   }
 }
 

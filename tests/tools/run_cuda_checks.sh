@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: the CUDA tests (CUDA vs the CPU reference on every op and
-# on the golden models) and the CLI on --device cuda. Expects .device/ from
+# on the golden models; with programmatic dependent launch and without) and
+# the CLI on --device cuda. Expects .device/ from
 # tests/tools/device_bundle.sh, carried with the tree. PNG plots go to
 # $DSPARK_PLOT_DIR (default: a temporary directory).
 set -euo pipefail
@@ -16,6 +17,9 @@ if [ -f .device/plot-runtime.tar.gz ]; then  # PNG plots: PLplot's cairo driver 
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 .device/bin/dspark_cuda_tests --gtest_color=no "$@"
+# Again with ordinary launches: the kernels' programmatic-dependent-launch
+# waits must give the same results either way.
+DSPARK_PDL=0 .device/bin/dspark_cuda_tests --gtest_color=no --gtest_brief=1 "$@"
 for model in qwen3 llama; do
   .device/bin/dspark generate --device cuda -m "tests/golden/$model" -p "def add(a, b):" -n 16 --ignore-eos --json
   .device/bin/dspark perplexity --device cuda -m "tests/golden/$model" -f "tests/golden/$model/reference/perplexity.txt" --json
