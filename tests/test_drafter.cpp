@@ -9,11 +9,12 @@
 #include <cstring>
 #include <set>
 
+#include "core/dtype.h"
 #include "core/file.h"
 #include "core/safetensors.h"
 #include "golden.h"
-#include "random_drafter.h"
 #include "model/transformer.h"
+#include "random_drafter.h"
 #include "spec/draft.h"
 #include "spec/drafter.h"
 
@@ -299,6 +300,31 @@ TEST_P(Drafting, BatchedRowsEqualSingleRows) {
     EXPECT_EQ(batched[i].confidence, alone.confidence) << i;
     EXPECT_EQ(batched[i].logits, alone.logits) << i;
   }
+}
+
+// A drafter whose weights are bf16 values drafts the same bits when its
+// products read the bf16 copies (keep_bf16_weights, as decoding does) as when
+// they read the f32 tensors: contexts, tokens, confidences and logits.
+TEST_P(Drafting, Bf16CopiesOfTheWeightsGiveTheSameDrafts) {
+  for (auto& [name, tensor] : drafter_.parameters)
+    for (long i = 0; i < tensor.numel(); ++i) tensor.data[i] = bf16_to_f32(f32_to_bf16(tensor.data[i]));
+  DraftOptions options;
+  options.collect_logits = true;
+  auto draft_both_ways = [&] {
+    DraftContext context;
+    extend_draft_context(drafter_, context, taps_.data(), 9);
+    return std::pair{context.keys, draft_one(context, tokens_[9], options)};
+  };
+  const auto [f32_keys, f32_draft] = draft_both_ways();
+  keep_bf16_weights(drafter_);
+  ASSERT_FALSE(drafter_.bf16.empty());
+  EXPECT_NE(drafter_.bf16_of("out_proj"), nullptr);
+  EXPECT_EQ(drafter_.bf16_of("out_norm"), nullptr) << "vectors stay f32";
+  const auto [bf16_keys, bf16_draft] = draft_both_ways();
+  EXPECT_EQ(bf16_keys, f32_keys);
+  EXPECT_EQ(bf16_draft.tokens, f32_draft.tokens);
+  EXPECT_EQ(bf16_draft.confidence, f32_draft.confidence);
+  EXPECT_EQ(bf16_draft.logits, f32_draft.logits);
 }
 
 TEST_P(Drafting, SamplingIsSeededPerRow) {

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/random.h"
 #include "gradient_check.h"
 #include "isa_test.h"
@@ -135,6 +136,44 @@ TEST_F(MatmulTest, DispatchMatchesReferenceAroundTheRowLimit) {
       const Case plain = make_case(rng, rows, in, out, false);
       expect_matches_reference(plain, Layout::InOut, run(dispatch_in_out, plain), "matmul_in_out_forward");
     }
+}
+
+// A bf16 weight read as bf16 bits (half the bytes) gives exactly the bits of
+// the same weight widened to f32, in both layouts, on every instruction set
+// and shapes the tiles split differently; exact_bf16 takes a weight apart only
+// when it is bf16.
+TEST_F(MatmulTest, Bf16WeightsGiveTheBitsOfTheirF32Widening) {
+  Rng rng(15);
+  auto bf16_case = [&](int rows, int in, int out, bool with_bias) {
+    Case c = make_case(rng, rows, in, out, with_bias);
+    for (float& w : c.weight) w = bf16_to_f32(f32_to_bf16(w));
+    return c;
+  };
+  for (MatmulIsa isa : supported()) {
+    cpu::set_matmul_isa(isa);
+    SCOPED_TRACE(cpu::matmul_isa_name(isa));
+    for (int rows : {1, 2, 3, 4, 5, 8, 9, 16, 17})
+      for (const auto& [in, out] : {std::pair{7, 5}, std::pair{17, 23}, std::pair{45, 70}, std::pair{389, 203}})
+        for (bool with_bias : {false, true}) {
+          const Case c = bf16_case(rows, in, out, with_bias);
+          const std::vector<uint16_t> bits = cpu::exact_bf16(c.weight.data(), long(c.weight.size()));
+          ASSERT_EQ(bits.size(), c.weight.size());
+          const float* bias = c.bias.empty() ? nullptr : c.bias.data();
+          std::vector<float> widened(size_t(rows) * out, std::nanf("")), halves(widened.size(), std::nanf(""));
+          cpu::matmul_forward_small_rows(widened.data(), c.x.data(), c.weight.data(), bias, rows, in, out);
+          cpu::matmul_forward(halves.data(), c.x.data(), c.weight.data(), bits.data(), bias, rows, in, out);
+          EXPECT_EQ(halves, widened) << "[out, in] rows " << rows << " in " << in << " out " << out;
+          if (with_bias) continue;  // the [in, out] forward has no bias; the same weight seen as [in, out]
+          std::fill(widened.begin(), widened.end(), std::nanf(""));
+          std::fill(halves.begin(), halves.end(), std::nanf(""));
+          cpu::matmul_in_out_forward_small_rows(widened.data(), c.x.data(), c.weight.data(), rows, in, out);
+          cpu::matmul_in_out_forward(halves.data(), c.x.data(), c.weight.data(), bits.data(), rows, in, out);
+          EXPECT_EQ(halves, widened) << "[in, out] rows " << rows << " in " << in << " out " << out;
+        }
+  }
+  std::vector<float> not_bf16 = {1.0f, 1.0f + 1.0f / 1024.0f / 1024.0f};  // the second needs more than 8 bits
+  EXPECT_TRUE(cpu::exact_bf16(not_bf16.data(), 2).empty());
+  EXPECT_EQ(cpu::exact_bf16(not_bf16.data(), 1), std::vector<uint16_t>{0x3f80});
 }
 
 TEST_F(MatmulTest, ZeroRowsWriteNothing) {

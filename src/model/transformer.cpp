@@ -32,6 +32,7 @@ Transformer load_transformer(const std::filesystem::path& directory) {
   } else {
     model.lm_head = checkpoint.load("lm_head.weight", {V, H});
   }
+  model.lm_head_bf16 = cpu::exact_bf16(model.lm_head.data, model.lm_head.numel());
   for (int i = 0; i < c.num_layers; ++i) {
     const std::string prefix = "model.layers." + std::to_string(i) + ".";
     LayerWeights layer;
@@ -183,7 +184,8 @@ void transformer_forward(const Transformer& model, std::span<const ForwardSequen
     head_input = projected;
   }
   output.logits.resize(size_t(logit_rows) * V);
-  cpu::matmul_forward(output.logits.data(), head_input, model.lm_head.data, nullptr, logit_rows, H, V);
+  cpu::matmul_forward(output.logits.data(), head_input, model.lm_head.data, cpu::bf16_or_null(model.lm_head_bf16),
+                      nullptr, logit_rows, H, V);
 }
 
 }  // namespace dspark

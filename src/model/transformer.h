@@ -42,6 +42,10 @@ struct Transformer {
   std::vector<LayerWeights> layers;  // L
   Tensor final_norm;                 // [H]
   Tensor lm_head;                    // [V, H]; the embedding itself when tied
+  // [V, H] lm_head's bf16 bit patterns when every element is a bf16 value (a
+  // bf16 checkpoint; load_transformer fills it), else empty. Few-row products
+  // read these: half the bytes, the same results bit for bit.
+  std::vector<uint16_t> lm_head_bf16;
   std::vector<double> rope_inverse_frequency;  // [hd/2]
 };
 

@@ -45,8 +45,8 @@ void backbone_forward(const Drafter& drafter, const TargetHead& head, std::span<
   // Block rows: row 0 = E[anchor] @ tok_proj + block_pos[0]; row k = mask_emb[k-1] + block_pos[k].
   for (int b = 0; b < B; ++b) {
     DSPARK_CHECK(anchors[b] >= 0 && anchors[b] < V, "draft anchor ", anchors[b], " is outside the vocabulary of ", V);
-    cpu::matmul_in_out_forward(block + long(b) * gamma * d, head.embedding + long(anchors[b]) * H,
-                               drafter["tok_proj"], 1, H, d);
+    cpu::matmul_in_out_forward(block + long(b) * gamma * d, head.embedding + long(anchors[b]) * H, drafter["tok_proj"],
+                               drafter.bf16_of("tok_proj"), 1, H, d);
     for (int position = 0; position < gamma; ++position) {
       float* row = block + (long(b) * gamma + position) * d;
       const float* position_embedding = drafter["block_pos"] + long(position) * d;
@@ -61,9 +61,9 @@ void backbone_forward(const Drafter& drafter, const TargetHead& head, std::span<
 
   for (int l = 0; l < c.num_layers; ++l) {
     cpu::rmsnorm_forward(normed, block, drafter[layer_name(l, "attn_norm")], rows, d, eps);
-    cpu::matmul_in_out_forward(q, normed, drafter[layer_name(l, "q")], rows, d, d);
-    cpu::matmul_in_out_forward(k, normed, drafter[layer_name(l, "k")], rows, d, d);
-    cpu::matmul_in_out_forward(v, normed, drafter[layer_name(l, "v")], rows, d, d);
+    cpu::matmul_in_out_forward(q, normed, drafter[layer_name(l, "q")], drafter.bf16_of(layer_name(l, "q")), rows, d, d);
+    cpu::matmul_in_out_forward(k, normed, drafter[layer_name(l, "k")], drafter.bf16_of(layer_name(l, "k")), rows, d, d);
+    cpu::matmul_in_out_forward(v, normed, drafter[layer_name(l, "v")], drafter.bf16_of(layer_name(l, "v")), rows, d, d);
     for (int b = 0; b < B; ++b) {  // keys / values = [context ; block]
       const int length = contexts[b]->length;
       if (length > 0) {  // a context never extended has no per-layer vectors at all
@@ -75,20 +75,25 @@ void backbone_forward(const Drafter& drafter, const TargetHead& head, std::span<
       cpu::bidirectional_attention_forward(attention + long(b) * gamma * d, q + long(b) * gamma * d, keys, values,
                                            gamma, length + gamma, c.num_heads, d / c.num_heads, scores);
     }
-    cpu::matmul_in_out_forward(projected, attention, drafter[layer_name(l, "o")], rows, d, d);
+    cpu::matmul_in_out_forward(projected, attention, drafter[layer_name(l, "o")], drafter.bf16_of(layer_name(l, "o")),
+                               rows, d, d);
     cpu::residual_add(block, projected, long(rows) * d);
     cpu::rmsnorm_forward(normed, block, drafter[layer_name(l, "ff_norm")], rows, d, eps);
-    cpu::matmul_in_out_forward(gate, normed, drafter[layer_name(l, "gate")], rows, d, inner);
-    cpu::matmul_in_out_forward(up, normed, drafter[layer_name(l, "up")], rows, d, inner);
+    cpu::matmul_in_out_forward(gate, normed, drafter[layer_name(l, "gate")], drafter.bf16_of(layer_name(l, "gate")),
+                               rows, d, inner);
+    cpu::matmul_in_out_forward(up, normed, drafter[layer_name(l, "up")], drafter.bf16_of(layer_name(l, "up")), rows, d,
+                               inner);
     cpu::gelu_tanh_gate_forward(gate, gate, up, long(rows) * inner);
-    cpu::matmul_in_out_forward(projected, gate, drafter[layer_name(l, "down")], rows, inner, d);
+    cpu::matmul_in_out_forward(projected, gate, drafter[layer_name(l, "down")], drafter.bf16_of(layer_name(l, "down")),
+                               rows, inner, d);
     cpu::residual_add(block, projected, long(rows) * d);
   }
   // h = rms(Hd, out_norm); U = (h @ out_proj) through the target's own LM head.
   cpu::rmsnorm_forward(hidden, block, drafter["out_norm"], rows, d, eps);
   float* head_input = grow(work.head_input, size_t(rows) * H);
-  cpu::matmul_in_out_forward(head_input, hidden, drafter["out_proj"], rows, d, H);
-  cpu::matmul_forward(grow(work.base_logits, size_t(rows) * V), head_input, head.lm_head, nullptr, rows, H, V);
+  cpu::matmul_in_out_forward(head_input, hidden, drafter["out_proj"], drafter.bf16_of("out_proj"), rows, d, H);
+  cpu::matmul_forward(grow(work.base_logits, size_t(rows) * V), head_input, head.lm_head, head.lm_head_bf16, nullptr,
+                      rows, H, V);
 }
 
 // The sequential head and the confidence head, walked position by position
@@ -108,10 +113,12 @@ class SequentialHead {
         sts_(drafter.config.sts),
         state_(rank_),
         scratch_(size_t(vocab_) + 5 * rank_ + width_) {  // B [V], then the GRU's z [2r+d] and gates [3r]
+    markov_out_bf16_ = drafter.bf16_of("markov.w2");
     if (kind_ == "rnn") {
       recurrent_ = drafter["rnn.wH"], recurrent_bias_ = drafter["rnn.bH"], recurrent_out_ = drafter["rnn.wO"];
+      recurrent_bf16_ = drafter.bf16_of("rnn.wH"), recurrent_out_bf16_ = drafter.bf16_of("rnn.wO");
     } else if (kind_ == "gru") {
-      recurrent_ = drafter["gru.wJ"], recurrent_bias_ = drafter["gru.bJ"];
+      recurrent_ = drafter["gru.wJ"], recurrent_bias_ = drafter["gru.bJ"], recurrent_bf16_ = drafter.bf16_of("gru.wJ");
     }
   }
 
@@ -134,26 +141,26 @@ class SequentialHead {
     const int r = rank_, d = width_, V = vocab_;
     float* added = scratch_.data();
     if (kind_ == "markov") {
-      cpu::matmul_in_out_forward(added, e, markov_out_, 1, r, V);
+      cpu::matmul_in_out_forward(added, e, markov_out_, markov_out_bf16_, 1, r, V);
     } else if (kind_ == "rnn") {  // s = tanh(s @ wH + e + bH); B = s @ wO
       float* pre = added + V;
-      cpu::matmul_in_out_forward(pre, state_.data(), recurrent_, 1, r, r);
+      cpu::matmul_in_out_forward(pre, state_.data(), recurrent_, recurrent_bf16_, 1, r, r);
       for (int i = 0; i < r; ++i) state_[i] = std::tanh(pre[i] + e[i] + recurrent_bias_[i]);
-      cpu::matmul_in_out_forward(added, state_.data(), recurrent_out_, 1, r, V);
+      cpu::matmul_in_out_forward(added, state_.data(), recurrent_out_, recurrent_out_bf16_, 1, r, V);
     } else {  // gru: [g, c, o] = [s; e; h] @ wJ + bJ; s = σ(g) s + (1 - σ(g)) tanh(c); B = tanh(o) @ w2
       float* z = added + V;          // [2r + d]
       float* gates = z + 2 * r + d;  // [3r]
       std::copy_n(state_.data(), r, z);
       std::copy_n(e, r, z + r);
       std::copy_n(h, d, z + 2 * r);
-      cpu::matmul_in_out_forward(gates, z, recurrent_, 1, 2 * r + d, 3 * r);
+      cpu::matmul_in_out_forward(gates, z, recurrent_, recurrent_bf16_, 1, 2 * r + d, 3 * r);
       const float* bias = recurrent_bias_;
       for (int i = 0; i < r; ++i) {
         const float keep = sigmoid(gates[i] + bias[i]);
         state_[i] = keep * state_[i] + (1.0f - keep) * std::tanh(gates[r + i] + bias[r + i]);
         z[i] = std::tanh(gates[2 * r + i] + bias[2 * r + i]);  // tanh(o), reusing z's head
       }
-      cpu::matmul_in_out_forward(added, z, markov_out_, 1, r, V);
+      cpu::matmul_in_out_forward(added, z, markov_out_, markov_out_bf16_, 1, r, V);
     }
     cpu::residual_add(logits, added, V);
   }
@@ -165,12 +172,15 @@ class SequentialHead {
   float confidence_bias_;
   const std::optional<StsCalibration>& sts_;
   const float *recurrent_ = nullptr, *recurrent_bias_ = nullptr, *recurrent_out_ = nullptr;
+  const uint16_t *markov_out_bf16_ = nullptr, *recurrent_bf16_ = nullptr, *recurrent_out_bf16_ = nullptr;  // null: f32
   std::vector<float> state_, scratch_;
 };
 
 }  // namespace
 
-TargetHead target_head_of(const Transformer& model) { return {model.embed_tokens.data, model.lm_head.data}; }
+TargetHead target_head_of(const Transformer& model) {
+  return {model.embed_tokens.data, model.lm_head.data, cpu::bf16_or_null(model.lm_head_bf16)};
+}
 
 TargetHeadWeights load_target_head(const std::filesystem::path& target_directory, const ModelConfig& config) {
   const SafetensorsCheckpoint checkpoint(target_directory);
@@ -178,6 +188,7 @@ TargetHeadWeights load_target_head(const std::filesystem::path& target_directory
   TargetHeadWeights weights;
   weights.embedding = checkpoint.load("model.embed_tokens.weight", shape);
   weights.lm_head = config.tie_word_embeddings ? weights.embedding : checkpoint.load("lm_head.weight", shape);
+  weights.lm_head_bf16 = cpu::exact_bf16(weights.lm_head.data, weights.lm_head.numel());
   return weights;
 }
 
@@ -231,12 +242,14 @@ void extend_draft_contexts(const Drafter& drafter, std::span<DraftContext* const
     const int n = static_cast<int>(std::min<size_t>(kChunk, rows.size() - begin));
     for (int r = 0; r < n; ++r) std::copy_n(rows[begin + r].taps, width, gathered + size_t(r) * width);
     // Hc = rms(hctx @ W_c, ctx_norm)
-    cpu::matmul_in_out_forward(projected, gathered, drafter["W_c"], n, width, d);
+    cpu::matmul_in_out_forward(projected, gathered, drafter["W_c"], drafter.bf16_of("W_c"), n, width, d);
     cpu::rmsnorm_forward(projected, projected, drafter["ctx_norm"], n, d, drafter.dims.eps);
     for (int l = 0; l < L; ++l) {  // per layer: rms(Hc, attn_norm) @ k | v
       cpu::rmsnorm_forward(normed, projected, drafter[layer_name(l, "attn_norm")], n, d, drafter.dims.eps);
-      cpu::matmul_in_out_forward(keys, normed, drafter[layer_name(l, "k")], n, d, d);
-      cpu::matmul_in_out_forward(values, normed, drafter[layer_name(l, "v")], n, d, d);
+      cpu::matmul_in_out_forward(keys, normed, drafter[layer_name(l, "k")], drafter.bf16_of(layer_name(l, "k")), n, d,
+                                 d);
+      cpu::matmul_in_out_forward(values, normed, drafter[layer_name(l, "v")], drafter.bf16_of(layer_name(l, "v")), n, d,
+                                 d);
       for (int r = 0; r < n; ++r) {
         const Row& row = rows[begin + r];
         std::copy_n(keys + size_t(r) * d, d, row.context->keys[l].data() + size_t(row.position) * d);

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/random.h"
+#include "kernels/cpu/matmul.h"
 #include "kernels/cpu/sampling.h"
 #include "model/transformer.h"
 #include "spec/drafter.h"
@@ -25,8 +26,9 @@ namespace dspark {
 
 // The target's pieces the drafter reads in place (never copied into it).
 struct TargetHead {
-  const float* embedding = nullptr;  // [V, H] the raw input embedding (no scaling)
-  const float* lm_head = nullptr;    // [V, H] the output head; the embedding itself when tied
+  const float* embedding = nullptr;        // [V, H] the raw input embedding (no scaling)
+  const float* lm_head = nullptr;          // [V, H] the output head; the embedding itself when tied
+  const uint16_t* lm_head_bf16 = nullptr;  // [V, H] its bf16 bits when it is exactly bf16, or null
 };
 
 TargetHead target_head_of(const Transformer& model);
@@ -34,9 +36,10 @@ TargetHead target_head_of(const Transformer& model);
 // The embedding and LM head read from a target checkpoint on their own (for a
 // target whose weights live elsewhere, e.g. on the GPU).
 struct TargetHeadWeights {
-  Tensor embedding;  // [V, H]
-  Tensor lm_head;    // [V, H]
-  TargetHead view() const { return {embedding.data, lm_head.data}; }
+  Tensor embedding;                    // [V, H]
+  Tensor lm_head;                      // [V, H]
+  std::vector<uint16_t> lm_head_bf16;  // [V, H] or empty, as Transformer::lm_head_bf16
+  TargetHead view() const { return {embedding.data, lm_head.data, cpu::bf16_or_null(lm_head_bf16)}; }
 };
 
 TargetHeadWeights load_target_head(const std::filesystem::path& target_directory, const ModelConfig& config);

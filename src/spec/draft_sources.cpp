@@ -1,6 +1,7 @@
 #include "spec/draft_sources.h"
 
 #include "core/error.h"
+#include "model/cpu_target.h"
 #include "spec/dspark_source.h"
 #include "spec/ngram_source.h"
 #ifdef DSPARK_CUDA
@@ -33,7 +34,11 @@ LoadedDraftSource load_draft_source(const std::string& name, const std::filesyst
 #else
   const bool on_gpu = false;
 #endif
-  if (!on_gpu) loaded.head = std::make_unique<TargetHeadWeights>(load_target_head(target_directory, target.config()));
+  if (!on_gpu) {
+    keep_bf16_weights(*loaded.drafter);            // decoding on the CPU: its few-row products read half the bytes
+    if (!dynamic_cast<const CpuTarget*>(&target))  // a CPU target's own head is read in place
+      loaded.head = std::make_unique<TargetHeadWeights>(load_target_head(target_directory, target.config()));
+  }
   loaded.source = make_dspark_source(*loaded.drafter, target, loaded.head.get(), min_confidence, true);
   return loaded;
 }
@@ -45,6 +50,9 @@ std::unique_ptr<DraftSource> make_dspark_source(const Drafter& drafter, const Ta
   if (const std::optional<CudaTargetHead> cuda_head = cuda_target_head(target))
     return std::make_unique<CudaDSparkSource>(drafter, *cuda_head, min_confidence, calibrated_thresholds);
 #endif
+  if (const auto* cpu_target = dynamic_cast<const CpuTarget*>(&target))  // its embedding and LM head, in place
+    return std::make_unique<DSparkSource>(drafter, target_head_of(cpu_target->model()), min_confidence,
+                                          calibrated_thresholds);
   DSPARK_CHECK(head, "a DSpark drafter on the CPU needs the target's embedding and LM head on the host");
   return std::make_unique<DSparkSource>(drafter, head->view(), min_confidence, calibrated_thresholds);
 }

@@ -14,7 +14,9 @@ namespace dspark {
 
 struct LoadedDraftSource {
   std::unique_ptr<Drafter> drafter;         // when a DSpark drafter
-  std::unique_ptr<TargetHeadWeights> head;  // the target's embedding / LM head it reads (CPU drafting only)
+  // The target's embedding / LM head loaded for a CPU drafter whose target
+  // keeps its weights elsewhere (a CPU target's own are read in place: null).
+  std::unique_ptr<TargetHeadWeights> head;
   std::unique_ptr<DraftSource> source;
   int default_gamma = 8;
   // The γ a run drafts: `requested` when positive, else default_gamma. A
@@ -29,8 +31,9 @@ LoadedDraftSource load_draft_source(const std::string& name, const std::filesyst
 // Another DSpark source over a drafter already loaded for `target` (e.g. one
 // without threshold pruning beside the pruned one): on the GPU when `target`
 // is a CUDA target (it uploads its own copy of the drafter's weights, with the
-// drafter's config as it is now), else on the CPU reading `head` (required
-// then: LoadedDraftSource::head). calibrated_thresholds: prune by config.sts's
+// drafter's config as it is now), else on the CPU reading a CPU target's own
+// embedding and LM head in place, or else `head` (required then:
+// LoadedDraftSource::head). calibrated_thresholds: prune by config.sts's
 // thresholds (the STS temperatures apply to the confidences either way).
 std::unique_ptr<DraftSource> make_dspark_source(const Drafter& drafter, const Target& target,
                                                 const TargetHeadWeights* head, float min_confidence,

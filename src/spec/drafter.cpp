@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "core/file.h"
 #include "core/safetensors.h"
+#include "kernels/cpu/matmul.h"
 
 namespace dspark {
 namespace {
@@ -122,6 +123,20 @@ const Tensor& Drafter::parameter(const std::string& name) const {
   auto found = parameters.find(name);
   DSPARK_CHECK(found != parameters.end(), "drafter has no parameter \"", name, "\"");
   return found->second;
+}
+
+const uint16_t* Drafter::bf16_of(const std::string& name) const {
+  auto found = bf16.find(name);
+  return found == bf16.end() ? nullptr : found->second.data();
+}
+
+void keep_bf16_weights(Drafter& drafter) {
+  drafter.bf16.clear();
+  for (const auto& [name, tensor] : drafter.parameters) {
+    if (tensor.shape.size() != 2) continue;  // norms, biases, embeddings read a row at a time
+    std::vector<uint16_t> bits = cpu::exact_bf16(tensor.data, tensor.numel());
+    if (!bits.empty()) drafter.bf16.emplace(name, std::move(bits));
+  }
 }
 
 std::vector<int> default_tap_layers(int num_layers) {

@@ -54,10 +54,19 @@ struct Drafter {
   std::vector<std::string> names;           // parameter (and init) order
   std::map<std::string, Tensor> parameters;  // name -> f32 tensor
   Json metadata = Json::object();           // dspark.json as read: unknown fields survive a save
+  // name -> a matrix's bf16 bit patterns when every element is a bf16 value (a
+  // bf16 checkpoint): few-row products read these, half the bytes, the same
+  // results. Filled for decoding by keep_bf16_weights; empty while training,
+  // whose updates would leave it stale.
+  std::map<std::string, std::vector<uint16_t>> bf16;
 
   const Tensor& parameter(const std::string& name) const;
   const float* operator[](const std::string& name) const { return parameter(name).data; }
+  const uint16_t* bf16_of(const std::string& name) const;  // null when `bf16` lacks it
 };
+
+// Fills drafter.bf16 for every matrix that is exactly bf16 (for decoding only).
+void keep_bf16_weights(Drafter& drafter);
 
 // Three target layers spread over the upper half, then L (DESIGN §2); e.g.
 // [20, 31, 41, 42] for L = 42.

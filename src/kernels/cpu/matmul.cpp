@@ -18,6 +18,10 @@
 // Tile shapes are chosen per row count so the accumulators fill most of the
 // vector registers (16 with AVX2, 32 with AVX-512) without spilling.
 //
+// Weights are f32, or the bf16 bit patterns of a weight that is exactly bf16
+// (a bf16 checkpoint's), widened as they are loaded: half the bytes of a
+// memory-bound product, and not one result bit different.
+//
 // Instruction sets: the kernels are written once with GCC vector extensions
 // and compiled three times, for x86-64-v4 (AVX-512, 16 floats a vector),
 // x86-64-v3 (AVX2 + FMA, 8) and the baseline (SSE2, 4); the widest the CPU
@@ -32,7 +36,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/simd.h"
@@ -83,14 +89,19 @@ constexpr int largest_row_block(int rows, int max_rows) {
 
 // ---- [out, in]: dot tiles ------------------------------------------------------
 
+// Weight: float, or uint16_t for bf16 bits (widened exactly as they are read).
+template <class Weight>
 struct DotProblem {
   float* out;
   const float* x;
-  const float* weight;
+  const Weight* weight;
   const float* bias;
   int rows, in, out_features;
   int chunk_features;  // output features per chunk of the pool
 };
+
+[[gnu::always_inline]] inline float widen(float value) { return value; }
+[[gnu::always_inline]] inline float widen(uint16_t bits) { return bf16_to_f32(bits); }
 
 // Where the prefetches of the next tile's weight rows (contiguous) have got
 // to: `step` bytes further each inner iteration, `lines` cache lines at a
@@ -110,12 +121,12 @@ struct Prefetcher {
 // instead of about the larger of the two (384 x 8192 at 16 rows, one core:
 // 2.7 -> 1.5-1.7 ms; docs/PERF.md).
 
-template <int W, int Features, int Rows, bool Prefetch = false>
-[[gnu::always_inline]] inline void dot_tile(const DotProblem& p, int feature, int row, Prefetcher& prefetcher) {
+template <int W, int Features, int Rows, bool Prefetch = false, class Weight>
+[[gnu::always_inline]] inline void dot_tile(const DotProblem<Weight>& p, int feature, int row, Prefetcher& prefetcher) {
   using V = typename Floats<W>::Vector;
   const int in = p.in, vector_end = in - in % W;
   const float* x = p.x + long(row) * in;
-  const float* weight = p.weight + long(feature) * in;
+  const Weight* weight = p.weight + long(feature) * in;
   V sums[Features * Rows];  // [feature][row]
 #pragma GCC unroll 64
   for (int k = 0; k < Features * Rows; ++k) sums[k] = V{};
@@ -139,7 +150,7 @@ template <int W, int Features, int Rows, bool Prefetch = false>
   for (int f = 0; f < Features; ++f)
     for (int r = 0; r < Rows; ++r) {
       float sum = totals[f * Rows + r];
-      for (int i = vector_end; i < in; ++i) sum += x[long(r) * in + i] * weight[long(f) * in + i];
+      for (int i = vector_end; i < in; ++i) sum += x[long(r) * in + i] * widen(weight[long(f) * in + i]);
       if (p.bias) sum += p.bias[feature + f];
       p.out[long(row + r) * p.out_features + feature + f] = sum;
     }
@@ -148,12 +159,12 @@ template <int W, int Features, int Rows, bool Prefetch = false>
 // Weight rows [begin, end) against all activation rows, in row blocks of Rows
 // or Rows - 1 (balanced); each weight tile is reused across the row blocks
 // while it is in L1.
-template <int W, int Registers, int Rows>
-[[gnu::always_inline]] inline void dot_features(const DotProblem& p, int begin, int end, int blocks) {
+template <int W, int Registers, int Rows, class Weight>
+[[gnu::always_inline]] inline void dot_features(const DotProblem<Weight>& p, int begin, int end, int blocks) {
   constexpr int kFeatures = dot_features_for(Registers, Rows);
   constexpr int kFewer = Rows > 1 ? Rows - 1 : 1;
-  // The next tile's kFeatures * in floats, spread over blocks * (in / W) iterations.
-  const long step = std::max(1L, long(kFeatures) * W * long(sizeof(float)) / blocks);
+  // The next tile's kFeatures * in weights, spread over blocks * (in / W) iterations.
+  const long step = std::max(1L, long(kFeatures) * W * long(sizeof(Weight)) / blocks);
   Prefetcher prefetcher{nullptr, step, int((step + 63) / 64)};
   int feature = begin;
   for (; feature + kFeatures <= end; feature += kFeatures) {
@@ -187,8 +198,8 @@ template <int W, int Registers, int Rows>
 }
 
 // Picks the row block for `largest` (the biggest of the balanced blocks).
-template <int W, int Registers, int Rows>
-[[gnu::always_inline]] inline void dot_rows(const DotProblem& p, int begin, int end, int blocks, int largest) {
+template <int W, int Registers, int Rows, class Weight>
+[[gnu::always_inline]] inline void dot_rows(const DotProblem<Weight>& p, int begin, int end, int blocks, int largest) {
   if constexpr (Rows > 1)
     if (largest < Rows) return dot_rows<W, Registers, Rows - 1>(p, begin, end, blocks, largest);
   dot_features<W, Registers, Rows>(p, begin, end, blocks);
@@ -196,31 +207,38 @@ template <int W, int Registers, int Rows>
 
 // One chunk of output features. Registers: the instruction set's vector
 // registers, less one or two for the compiler; MaxRows: the row block.
-template <int W, int Registers, int MaxRows>
-[[gnu::always_inline]] inline void dot_chunk(const DotProblem& p, int chunk) {
+template <int W, int Registers, int MaxRows, class Weight>
+[[gnu::always_inline]] inline void dot_chunk(const DotProblem<Weight>& p, int chunk) {
   const int begin = chunk * p.chunk_features, end = std::min(p.out_features, begin + p.chunk_features);
   const int blocks = (p.rows + MaxRows - 1) / MaxRows, largest = largest_row_block(p.rows, MaxRows);
   dot_rows<W, Registers, MaxRows>(p, begin, end, blocks, largest);
 }
 
-template <const TileShapes& Tiles>
+template <const TileShapes& Tiles, class Weight>
 [[gnu::always_inline]] inline void dot_chunk(const void* problem, int chunk) {
-  dot_chunk<Tiles.width, Tiles.dot_registers, Tiles.dot_max_rows>(*static_cast<const DotProblem*>(problem), chunk);
+  dot_chunk<Tiles.width, Tiles.dot_registers, Tiles.dot_max_rows>(*static_cast<const DotProblem<Weight>*>(problem),
+                                                                  chunk);
 }
+template <class Weight>
 __attribute__((target("arch=x86-64-v4"))) void dot_chunk_avx512(const void* problem, int chunk) {
-  dot_chunk<kAvx512Tiles>(problem, chunk);
+  dot_chunk<kAvx512Tiles, Weight>(problem, chunk);
 }
+template <class Weight>
 __attribute__((target("arch=x86-64-v3"))) void dot_chunk_avx2(const void* problem, int chunk) {
-  dot_chunk<kAvx2Tiles>(problem, chunk);
+  dot_chunk<kAvx2Tiles, Weight>(problem, chunk);
 }
-void dot_chunk_baseline(const void* problem, int chunk) { dot_chunk<kBaselineTiles>(problem, chunk); }
+template <class Weight>
+void dot_chunk_baseline(const void* problem, int chunk) {
+  dot_chunk<kBaselineTiles, Weight>(problem, chunk);
+}
 
 // ---- [in, out]: axpy tiles -----------------------------------------------------
 
+template <class Weight>  // float, or uint16_t for bf16 bits (as DotProblem)
 struct AxpyProblem {
   float* out;
   const float* x;
-  const float* weight;
+  const Weight* weight;
   int rows, in, out_features;
   int chunk_columns;  // output columns per chunk of the pool
 };
@@ -229,13 +247,13 @@ struct AxpyProblem {
 // and Rows activation rows from `row`. (Prefetching the next column panel, as
 // dot_tile does the next tile, measured no faster here: the panel's rows are
 // separate streams the hardware prefetcher already follows.)
-template <int W, int Vectors, int Rows>
-[[gnu::always_inline]] inline void axpy_tile(const AxpyProblem& p, int column, int row) {
+template <int W, int Vectors, int Rows, class Weight>
+[[gnu::always_inline]] inline void axpy_tile(const AxpyProblem<Weight>& p, int column, int row) {
   using V = typename Floats<W>::Vector;
   const int in = p.in;
   const long stride = p.out_features;
   const float* x = p.x + long(row) * in;
-  const float* weight = p.weight + column;
+  const Weight* weight = p.weight + column;
   V sums[Rows][Vectors];
 #pragma GCC unroll 64
   for (int r = 0; r < Rows; ++r)
@@ -259,19 +277,19 @@ template <int W, int Vectors, int Rows>
 }
 
 // Fewer than W columns: scalar.
-template <int Rows>
-[[gnu::always_inline]] inline void axpy_scalar_column(const AxpyProblem& p, int column, int row) {
+template <int Rows, class Weight>
+[[gnu::always_inline]] inline void axpy_scalar_column(const AxpyProblem<Weight>& p, int column, int row) {
   float sums[Rows] = {};
   for (int i = 0; i < p.in; ++i) {
-    const float w = p.weight[long(i) * p.out_features + column];
+    const float w = widen(p.weight[long(i) * p.out_features + column]);
 #pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) sums[r] += p.x[long(row + r) * p.in + i] * w;
   }
   for (int r = 0; r < Rows; ++r) p.out[long(row + r) * p.out_features + column] = sums[r];
 }
 
-template <int W, int Vectors, int Rows, int Fewer>
-[[gnu::always_inline]] inline void axpy_column_tile(const AxpyProblem& p, int column, int blocks) {
+template <int W, int Vectors, int Rows, int Fewer, class Weight>
+[[gnu::always_inline]] inline void axpy_column_tile(const AxpyProblem<Weight>& p, int column, int blocks) {
   for (int block = 0, row = 0; block < blocks; ++block) {
     const int count = (p.rows - row) / (blocks - block) + ((p.rows - row) % (blocks - block) != 0);
     if constexpr (Vectors == 0) {
@@ -292,8 +310,8 @@ template <int W, int Vectors, int Rows, int Fewer>
 // Columns [begin, end) against all activation rows in balanced row blocks of
 // Rows or Rows - 1; each column panel of the weight is reused across the row
 // blocks while it is in L1/L2.
-template <int W, int Registers, int Rows>
-[[gnu::always_inline]] inline void axpy_columns(const AxpyProblem& p, int begin, int end, int blocks) {
+template <int W, int Registers, int Rows, class Weight>
+[[gnu::always_inline]] inline void axpy_columns(const AxpyProblem<Weight>& p, int begin, int end, int blocks) {
   constexpr int kVectors = axpy_vectors_for(Registers, Rows);
   constexpr int kFewer = Rows > 1 ? Rows - 1 : 1;
   int column = begin;
@@ -303,31 +321,38 @@ template <int W, int Registers, int Rows>
   for (; column < end; ++column) axpy_column_tile<W, 0, Rows, kFewer>(p, column, blocks);
 }
 
-template <int W, int Registers, int Rows>
-[[gnu::always_inline]] inline void axpy_rows(const AxpyProblem& p, int begin, int end, int blocks, int largest) {
+template <int W, int Registers, int Rows, class Weight>
+[[gnu::always_inline]] inline void axpy_rows(const AxpyProblem<Weight>& p, int begin, int end, int blocks,
+                                             int largest) {
   if constexpr (Rows > 1)
     if (largest < Rows) return axpy_rows<W, Registers, Rows - 1>(p, begin, end, blocks, largest);
   axpy_columns<W, Registers, Rows>(p, begin, end, blocks);
 }
 
-template <int W, int Registers, int MaxRows>
-[[gnu::always_inline]] inline void axpy_chunk(const AxpyProblem& p, int chunk) {
+template <int W, int Registers, int MaxRows, class Weight>
+[[gnu::always_inline]] inline void axpy_chunk(const AxpyProblem<Weight>& p, int chunk) {
   const int begin = chunk * p.chunk_columns, end = std::min(p.out_features, begin + p.chunk_columns);
   const int blocks = (p.rows + MaxRows - 1) / MaxRows, largest = largest_row_block(p.rows, MaxRows);
   axpy_rows<W, Registers, MaxRows>(p, begin, end, blocks, largest);
 }
 
-template <const TileShapes& Tiles>
+template <const TileShapes& Tiles, class Weight>
 [[gnu::always_inline]] inline void axpy_chunk(const void* problem, int chunk) {
-  axpy_chunk<Tiles.width, Tiles.axpy_registers, Tiles.axpy_max_rows>(*static_cast<const AxpyProblem*>(problem), chunk);
+  axpy_chunk<Tiles.width, Tiles.axpy_registers, Tiles.axpy_max_rows>(*static_cast<const AxpyProblem<Weight>*>(problem),
+                                                                     chunk);
 }
+template <class Weight>
 __attribute__((target("arch=x86-64-v4"))) void axpy_chunk_avx512(const void* problem, int chunk) {
-  axpy_chunk<kAvx512Tiles>(problem, chunk);
+  axpy_chunk<kAvx512Tiles, Weight>(problem, chunk);
 }
+template <class Weight>
 __attribute__((target("arch=x86-64-v3"))) void axpy_chunk_avx2(const void* problem, int chunk) {
-  axpy_chunk<kAvx2Tiles>(problem, chunk);
+  axpy_chunk<kAvx2Tiles, Weight>(problem, chunk);
 }
-void axpy_chunk_baseline(const void* problem, int chunk) { axpy_chunk<kBaselineTiles>(problem, chunk); }
+template <class Weight>
+void axpy_chunk_baseline(const void* problem, int chunk) {
+  axpy_chunk<kBaselineTiles, Weight>(problem, chunk);
+}
 
 // ---- dispatch ---------------------------------------------------------------------
 
@@ -383,27 +408,50 @@ const char* matmul_isa_name(MatmulIsa isa) {
   }
 }
 
-void matmul_forward_small_rows(float* out, const float* x, const float* weight, const float* bias, int rows,
-                               int in_features, int out_features) {
+template <class Weight>
+void dot_forward(float* out, const float* x, const Weight* weight, const float* bias, int rows, int in_features,
+                 int out_features) {
   if (rows <= 0 || out_features <= 0) return;
-  DotProblem problem{out, x, weight, bias, rows, in_features, out_features, 0};
+  DotProblem<Weight> problem{out, x, weight, bias, rows, in_features, out_features, 0};
   const TileShapes& tiles = tile_shapes(matmul_isa());
   const int tile_features = dot_features_for(tiles.dot_registers, largest_row_block(rows, tiles.dot_max_rows));
   problem.chunk_features = chunk_size(long(rows) * in_features * out_features, out_features, tile_features);
   const int chunks = (out_features + problem.chunk_features - 1) / problem.chunk_features;
-  parallel_run(for_matmul_isa(dot_chunk_avx512, dot_chunk_avx2, dot_chunk_baseline), &problem, chunks);
+  parallel_run(for_matmul_isa(dot_chunk_avx512<Weight>, dot_chunk_avx2<Weight>, dot_chunk_baseline<Weight>), &problem,
+               chunks);
 }
 
-void matmul_in_out_forward_small_rows(float* out, const float* x, const float* weight, int rows, int in_features,
-                                      int out_features) {
+void matmul_forward_small_rows(float* out, const float* x, const float* weight, const float* bias, int rows,
+                               int in_features, int out_features) {
+  dot_forward(out, x, weight, bias, rows, in_features, out_features);
+}
+
+void matmul_forward_small_rows(float* out, const float* x, const uint16_t* weight, const float* bias, int rows,
+                               int in_features, int out_features) {
+  dot_forward(out, x, weight, bias, rows, in_features, out_features);
+}
+
+template <class Weight>
+void axpy_forward(float* out, const float* x, const Weight* weight, int rows, int in_features, int out_features) {
   if (rows <= 0 || out_features <= 0) return;
-  AxpyProblem problem{out, x, weight, rows, in_features, out_features, 0};
+  AxpyProblem<Weight> problem{out, x, weight, rows, in_features, out_features, 0};
   const TileShapes& tiles = tile_shapes(matmul_isa());
   const int tile_columns =
       tiles.width * axpy_vectors_for(tiles.axpy_registers, largest_row_block(rows, tiles.axpy_max_rows));
   problem.chunk_columns = chunk_size(long(rows) * in_features * out_features, out_features, tile_columns);
   const int chunks = (out_features + problem.chunk_columns - 1) / problem.chunk_columns;
-  parallel_run(for_matmul_isa(axpy_chunk_avx512, axpy_chunk_avx2, axpy_chunk_baseline), &problem, chunks);
+  parallel_run(for_matmul_isa(axpy_chunk_avx512<Weight>, axpy_chunk_avx2<Weight>, axpy_chunk_baseline<Weight>),
+               &problem, chunks);
+}
+
+void matmul_in_out_forward_small_rows(float* out, const float* x, const float* weight, int rows, int in_features,
+                                      int out_features) {
+  axpy_forward(out, x, weight, rows, in_features, out_features);
+}
+
+void matmul_in_out_forward_small_rows(float* out, const float* x, const uint16_t* weight, int rows, int in_features,
+                                      int out_features) {
+  axpy_forward(out, x, weight, rows, in_features, out_features);
 }
 
 void matmul_forward_blas(float* out, const float* x, const float* weight, const float* bias, int rows, int in_features,
@@ -438,6 +486,25 @@ void matmul_forward(float* out, const float* x, const float* weight, const float
     matmul_forward_blas(out, x, weight, bias, rows, in_features, out_features);
 }
 
+std::vector<uint16_t> exact_bf16(const float* weight, long count) {
+  std::vector<uint16_t> bits(count);
+  for (long i = 0; i < count; ++i) {
+    uint32_t word;
+    std::memcpy(&word, weight + i, sizeof word);
+    if (word & 0xffffu) return {};  // not a bf16 value
+    bits[i] = static_cast<uint16_t>(word >> 16);
+  }
+  return bits;
+}
+
+void matmul_forward(float* out, const float* x, const float* weight, const uint16_t* weight_bf16, const float* bias,
+                    int rows, int in_features, int out_features) {
+  if (weight_bf16 && rows <= kSmallRowsMax)
+    matmul_forward_small_rows(out, x, weight_bf16, bias, rows, in_features, out_features);
+  else
+    matmul_forward(out, x, weight, bias, rows, in_features, out_features);
+}
+
 void matmul_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight, int rows,
                      int in_features, int out_features) {
   if (rows == 0) return;
@@ -455,6 +522,14 @@ void matmul_in_out_forward(float* out, const float* x, const float* weight, int 
     matmul_in_out_forward_small_rows(out, x, weight, rows, in_features, out_features);
   else
     matmul_in_out_forward_blas(out, x, weight, rows, in_features, out_features);
+}
+
+void matmul_in_out_forward(float* out, const float* x, const float* weight, const uint16_t* weight_bf16, int rows,
+                           int in_features, int out_features) {
+  if (weight_bf16 && rows <= kSmallRowsMax)
+    matmul_in_out_forward_small_rows(out, x, weight_bf16, rows, in_features, out_features);
+  else
+    matmul_in_out_forward(out, x, weight, rows, in_features, out_features);
 }
 
 void matmul_in_out_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight, int rows,

@@ -11,6 +11,8 @@
 // (prefill, training) OpenBLAS sgemm, whose packing of the weight then pays
 // for itself. Both accumulate in f32; their summation orders differ.
 #pragma once
+#include <cstdint>
+#include <vector>
 
 namespace dspark::cpu {
 
@@ -24,6 +26,20 @@ inline constexpr int kSmallRowsMax = 64;
 void matmul_forward(float* out, const float* x, const float* weight, const float* bias, int rows, int in_features,
                     int out_features);
 
+// The same, given also weight_bf16: the same weight's bf16 bit patterns when
+// every element of it is a bf16 value (exact_bf16 below), or null. The
+// small-row kernel then reads those, half the bytes, and widens them exactly
+// as it goes: the results are bit for bit those of the f32 weight.
+void matmul_forward(float* out, const float* x, const float* weight, const uint16_t* weight_bf16, const float* bias,
+                    int rows, int in_features, int out_features);
+
+// A weight's bf16 bit patterns if every element is exactly a bf16 value (as
+// a bf16 checkpoint's are once widened to f32), else empty.
+std::vector<uint16_t> exact_bf16(const float* weight, long count);
+
+// What matmul_forward takes for weight_bf16: the bits, or null for none.
+inline const uint16_t* bf16_or_null(const std::vector<uint16_t>& bits) { return bits.empty() ? nullptr : bits.data(); }
+
 // dx [rows, in] += dout @ weight;  dweight [out, in] += dout^T @ x.  dout [rows, out].
 void matmul_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight, int rows,
                      int in_features, int out_features);
@@ -31,6 +47,9 @@ void matmul_backward(float* dx, float* dweight, const float* dout, const float* 
 // out = x @ weight, with weight stored [in, out] (the drafter's layout).
 void matmul_in_out_forward(float* out, const float* x, const float* weight, int rows, int in_features,
                            int out_features);
+// The same with the weight's bf16 bits or null, as matmul_forward above.
+void matmul_in_out_forward(float* out, const float* x, const float* weight, const uint16_t* weight_bf16, int rows,
+                           int in_features, int out_features);
 
 // dx [rows, in] += dout @ weight^T;  dweight [in, out] += x^T @ dout.  dout [rows, out].
 void matmul_in_out_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight, int rows,
@@ -41,7 +60,11 @@ void matmul_in_out_backward(float* dx, float* dweight, const float* dout, const 
 // The small-row kernels take any row count; they are fast for few rows.
 void matmul_forward_small_rows(float* out, const float* x, const float* weight, const float* bias, int rows,
                                int in_features, int out_features);
+void matmul_forward_small_rows(float* out, const float* x, const uint16_t* weight, const float* bias, int rows,
+                               int in_features, int out_features);
 void matmul_in_out_forward_small_rows(float* out, const float* x, const float* weight, int rows, int in_features,
+                                      int out_features);
+void matmul_in_out_forward_small_rows(float* out, const float* x, const uint16_t* weight, int rows, int in_features,
                                       int out_features);
 // OpenBLAS: sgemv for one row, sgemm otherwise.
 void matmul_forward_blas(float* out, const float* x, const float* weight, const float* bias, int rows, int in_features,
