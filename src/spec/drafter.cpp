@@ -133,7 +133,7 @@ const uint16_t* Drafter::bf16_of(const std::string& name) const {
 void keep_bf16_weights(Drafter& drafter) {
   drafter.bf16.clear();
   for (const auto& [name, tensor] : drafter.parameters) {
-    if (tensor.shape.size() != 2) continue;  // norms, biases, embeddings read a row at a time
+    if (tensor.shape.size() != 2) continue;  // norms and biases never weigh a product (tables of rows get one too)
     std::vector<uint16_t> bits = cpu::exact_bf16(tensor.data, tensor.numel());
     if (!bits.empty()) drafter.bf16.emplace(name, std::move(bits));
   }
