@@ -156,7 +156,7 @@ TEST_F(MatmulTest, Bf16WeightsGiveTheBitsOfTheirF32Widening) {
       for (const auto& [in, out] : {std::pair{7, 5}, std::pair{17, 23}, std::pair{45, 70}, std::pair{389, 203}})
         for (bool with_bias : {false, true}) {
           const Case c = bf16_case(rows, in, out, with_bias);
-          const std::vector<uint16_t> bits = cpu::exact_bf16(c.weight.data(), long(c.weight.size()));
+          const std::vector<uint16_t> bits = exact_bf16(c.weight.data(), c.weight.size());
           ASSERT_EQ(bits.size(), c.weight.size());
           const float* bias = c.bias.empty() ? nullptr : c.bias.data();
           std::vector<float> widened(size_t(rows) * out, std::nanf("")), halves(widened.size(), std::nanf(""));
@@ -172,8 +172,8 @@ TEST_F(MatmulTest, Bf16WeightsGiveTheBitsOfTheirF32Widening) {
         }
   }
   std::vector<float> not_bf16 = {1.0f, 1.0f + 1.0f / 1024.0f / 1024.0f};  // the second needs more than 8 bits
-  EXPECT_TRUE(cpu::exact_bf16(not_bf16.data(), 2).empty());
-  EXPECT_EQ(cpu::exact_bf16(not_bf16.data(), 1), std::vector<uint16_t>{0x3f80});
+  EXPECT_TRUE(exact_bf16(not_bf16.data(), 2).empty());
+  EXPECT_EQ(exact_bf16(not_bf16.data(), 1), std::vector<uint16_t>{0x3f80});
 }
 
 TEST_F(MatmulTest, ZeroRowsWriteNothing) {

@@ -72,6 +72,17 @@ void convert_to_bf16(const float* __restrict source, uint16_t* __restrict destin
   for (; i < count; ++i) destination[i] = f32_to_bf16(source[i]);
 }
 
+std::vector<uint16_t> exact_bf16(const float* values, size_t count) {
+  std::vector<uint16_t> bits(count);
+  for (size_t i = 0; i < count; ++i) {
+    uint32_t word;
+    std::memcpy(&word, values + i, sizeof word);
+    if (word & 0xffffu) return {};  // not a bf16 value
+    bits[i] = static_cast<uint16_t>(word >> 16);
+  }
+  return bits;
+}
+
 void convert_to_f32(Dtype dtype, const void* source, float* destination, size_t count) {
   switch (dtype) {
     case Dtype::F32:

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace dspark {
 
@@ -35,6 +36,10 @@ inline uint16_t f32_to_bf16(float value) {
 
 // destination[i] = f32_to_bf16(source[i]) for `count` values, vectorised.
 void convert_to_bf16(const float* source, uint16_t* destination, size_t count);
+
+// The bf16 bit patterns of `count` values if every one is exactly a bf16
+// value (as a bf16 checkpoint's are once widened to f32), else empty.
+std::vector<uint16_t> exact_bf16(const float* values, size_t count);
 
 float f16_to_f32(uint16_t bits);
 uint16_t f32_to_f16(float value);

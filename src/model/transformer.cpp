@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/safetensors.h"
 #include "kernels/cpu/activation.h"
@@ -32,7 +33,7 @@ Transformer load_transformer(const std::filesystem::path& directory) {
   } else {
     model.lm_head = checkpoint.load("lm_head.weight", {V, H});
   }
-  model.lm_head_bf16 = cpu::exact_bf16(model.lm_head.data, model.lm_head.numel());
+  model.lm_head_bf16 = exact_bf16(model.lm_head.data, model.lm_head.numel());
   for (int i = 0; i < c.num_layers; ++i) {
     const std::string prefix = "model.layers." + std::to_string(i) + ".";
     LayerWeights layer;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/safetensors.h"
 #include "kernels/cpu/activation.h"
@@ -16,6 +17,13 @@ namespace {
 float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 std::string layer_name(int layer, const char* tensor) { return "bb." + std::to_string(layer) + "." + tensor; }
+
+// out [rows, out_features] = x [rows, in] @ the drafter's matrix `name`
+// ([in, out_features]), read as bf16 when decoding keeps a copy (Drafter::bf16).
+void product(const Drafter& drafter, const std::string& name, float* out, const float* x, int rows, int in,
+             int out_features) {
+  cpu::matmul_in_out_forward(out, x, drafter[name], drafter.bf16_of(name), rows, in, out_features);
+}
 
 // The parallel backbone for B rows: work.hidden [B*γ, d] = h, work.base_logits
 // [B*γ, V] = U. Row b's block attends to its retained context and to itself.
@@ -45,8 +53,7 @@ void backbone_forward(const Drafter& drafter, const TargetHead& head, std::span<
   // Block rows: row 0 = E[anchor] @ tok_proj + block_pos[0]; row k = mask_emb[k-1] + block_pos[k].
   for (int b = 0; b < B; ++b) {
     DSPARK_CHECK(anchors[b] >= 0 && anchors[b] < V, "draft anchor ", anchors[b], " is outside the vocabulary of ", V);
-    cpu::matmul_in_out_forward(block + long(b) * gamma * d, head.embedding + long(anchors[b]) * H, drafter["tok_proj"],
-                               drafter.bf16_of("tok_proj"), 1, H, d);
+    product(drafter, "tok_proj", block + long(b) * gamma * d, head.embedding + long(anchors[b]) * H, 1, H, d);
     for (int position = 0; position < gamma; ++position) {
       float* row = block + (long(b) * gamma + position) * d;
       const float* position_embedding = drafter["block_pos"] + long(position) * d;
@@ -61,9 +68,9 @@ void backbone_forward(const Drafter& drafter, const TargetHead& head, std::span<
 
   for (int l = 0; l < c.num_layers; ++l) {
     cpu::rmsnorm_forward(normed, block, drafter[layer_name(l, "attn_norm")], rows, d, eps);
-    cpu::matmul_in_out_forward(q, normed, drafter[layer_name(l, "q")], drafter.bf16_of(layer_name(l, "q")), rows, d, d);
-    cpu::matmul_in_out_forward(k, normed, drafter[layer_name(l, "k")], drafter.bf16_of(layer_name(l, "k")), rows, d, d);
-    cpu::matmul_in_out_forward(v, normed, drafter[layer_name(l, "v")], drafter.bf16_of(layer_name(l, "v")), rows, d, d);
+    product(drafter, layer_name(l, "q"), q, normed, rows, d, d);
+    product(drafter, layer_name(l, "k"), k, normed, rows, d, d);
+    product(drafter, layer_name(l, "v"), v, normed, rows, d, d);
     for (int b = 0; b < B; ++b) {  // keys / values = [context ; block]
       const int length = contexts[b]->length;
       if (length > 0) {  // a context never extended has no per-layer vectors at all
@@ -75,23 +82,19 @@ void backbone_forward(const Drafter& drafter, const TargetHead& head, std::span<
       cpu::bidirectional_attention_forward(attention + long(b) * gamma * d, q + long(b) * gamma * d, keys, values,
                                            gamma, length + gamma, c.num_heads, d / c.num_heads, scores);
     }
-    cpu::matmul_in_out_forward(projected, attention, drafter[layer_name(l, "o")], drafter.bf16_of(layer_name(l, "o")),
-                               rows, d, d);
+    product(drafter, layer_name(l, "o"), projected, attention, rows, d, d);
     cpu::residual_add(block, projected, long(rows) * d);
     cpu::rmsnorm_forward(normed, block, drafter[layer_name(l, "ff_norm")], rows, d, eps);
-    cpu::matmul_in_out_forward(gate, normed, drafter[layer_name(l, "gate")], drafter.bf16_of(layer_name(l, "gate")),
-                               rows, d, inner);
-    cpu::matmul_in_out_forward(up, normed, drafter[layer_name(l, "up")], drafter.bf16_of(layer_name(l, "up")), rows, d,
-                               inner);
+    product(drafter, layer_name(l, "gate"), gate, normed, rows, d, inner);
+    product(drafter, layer_name(l, "up"), up, normed, rows, d, inner);
     cpu::gelu_tanh_gate_forward(gate, gate, up, long(rows) * inner);
-    cpu::matmul_in_out_forward(projected, gate, drafter[layer_name(l, "down")], drafter.bf16_of(layer_name(l, "down")),
-                               rows, inner, d);
+    product(drafter, layer_name(l, "down"), projected, gate, rows, inner, d);
     cpu::residual_add(block, projected, long(rows) * d);
   }
   // h = rms(Hd, out_norm); U = (h @ out_proj) through the target's own LM head.
   cpu::rmsnorm_forward(hidden, block, drafter["out_norm"], rows, d, eps);
   float* head_input = grow(work.head_input, size_t(rows) * H);
-  cpu::matmul_in_out_forward(head_input, hidden, drafter["out_proj"], drafter.bf16_of("out_proj"), rows, d, H);
+  product(drafter, "out_proj", head_input, hidden, rows, d, H);
   cpu::matmul_forward(grow(work.base_logits, size_t(rows) * V), head_input, head.lm_head, head.lm_head_bf16, nullptr,
                       rows, H, V);
 }
@@ -188,7 +191,7 @@ TargetHeadWeights load_target_head(const std::filesystem::path& target_directory
   TargetHeadWeights weights;
   weights.embedding = checkpoint.load("model.embed_tokens.weight", shape);
   weights.lm_head = config.tie_word_embeddings ? weights.embedding : checkpoint.load("lm_head.weight", shape);
-  weights.lm_head_bf16 = cpu::exact_bf16(weights.lm_head.data, weights.lm_head.numel());
+  weights.lm_head_bf16 = exact_bf16(weights.lm_head.data, weights.lm_head.numel());
   return weights;
 }
 
@@ -242,14 +245,12 @@ void extend_draft_contexts(const Drafter& drafter, std::span<DraftContext* const
     const int n = static_cast<int>(std::min<size_t>(kChunk, rows.size() - begin));
     for (int r = 0; r < n; ++r) std::copy_n(rows[begin + r].taps, width, gathered + size_t(r) * width);
     // Hc = rms(hctx @ W_c, ctx_norm)
-    cpu::matmul_in_out_forward(projected, gathered, drafter["W_c"], drafter.bf16_of("W_c"), n, width, d);
+    product(drafter, "W_c", projected, gathered, n, width, d);
     cpu::rmsnorm_forward(projected, projected, drafter["ctx_norm"], n, d, drafter.dims.eps);
     for (int l = 0; l < L; ++l) {  // per layer: rms(Hc, attn_norm) @ k | v
       cpu::rmsnorm_forward(normed, projected, drafter[layer_name(l, "attn_norm")], n, d, drafter.dims.eps);
-      cpu::matmul_in_out_forward(keys, normed, drafter[layer_name(l, "k")], drafter.bf16_of(layer_name(l, "k")), n, d,
-                                 d);
-      cpu::matmul_in_out_forward(values, normed, drafter[layer_name(l, "v")], drafter.bf16_of(layer_name(l, "v")), n, d,
-                                 d);
+      product(drafter, layer_name(l, "k"), keys, normed, n, d, d);
+      product(drafter, layer_name(l, "v"), values, normed, n, d, d);
       for (int r = 0; r < n; ++r) {
         const Row& row = rows[begin + r];
         std::copy_n(keys + size_t(r) * d, d, row.context->keys[l].data() + size_t(row.position) * d);

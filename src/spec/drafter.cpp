@@ -5,10 +5,10 @@
 #include <cstdio>
 #include <numbers>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/file.h"
 #include "core/safetensors.h"
-#include "kernels/cpu/matmul.h"
 
 namespace dspark {
 namespace {
@@ -134,7 +134,7 @@ void keep_bf16_weights(Drafter& drafter) {
   drafter.bf16.clear();
   for (const auto& [name, tensor] : drafter.parameters) {
     if (tensor.shape.size() != 2) continue;  // norms and biases never weigh a product (tables of rows get one too)
-    std::vector<uint16_t> bits = cpu::exact_bf16(tensor.data, tensor.numel());
+    std::vector<uint16_t> bits = exact_bf16(tensor.data, tensor.numel());
     if (!bits.empty()) drafter.bf16.emplace(name, std::move(bits));
   }
 }

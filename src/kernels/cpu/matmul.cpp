@@ -36,7 +36,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstring>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -484,17 +483,6 @@ void matmul_forward(float* out, const float* x, const float* weight, const float
     matmul_forward_small_rows(out, x, weight, bias, rows, in_features, out_features);
   else
     matmul_forward_blas(out, x, weight, bias, rows, in_features, out_features);
-}
-
-std::vector<uint16_t> exact_bf16(const float* weight, long count) {
-  std::vector<uint16_t> bits(count);
-  for (long i = 0; i < count; ++i) {
-    uint32_t word;
-    std::memcpy(&word, weight + i, sizeof word);
-    if (word & 0xffffu) return {};  // not a bf16 value
-    bits[i] = static_cast<uint16_t>(word >> 16);
-  }
-  return bits;
 }
 
 void matmul_forward(float* out, const float* x, const float* weight, const uint16_t* weight_bf16, const float* bias,

@@ -27,15 +27,11 @@ void matmul_forward(float* out, const float* x, const float* weight, const float
                     int out_features);
 
 // The same, given also weight_bf16: the same weight's bf16 bit patterns when
-// every element of it is a bf16 value (exact_bf16 below), or null. The
+// every element of it is a bf16 value (exact_bf16, core/dtype.h), or null. The
 // small-row kernel then reads those, half the bytes, and widens them exactly
 // as it goes: the results are bit for bit those of the f32 weight.
 void matmul_forward(float* out, const float* x, const float* weight, const uint16_t* weight_bf16, const float* bias,
                     int rows, int in_features, int out_features);
-
-// A weight's bf16 bit patterns if every element is exactly a bf16 value (as
-// a bf16 checkpoint's are once widened to f32), else empty.
-std::vector<uint16_t> exact_bf16(const float* weight, long count);
 
 // What matmul_forward takes for weight_bf16: the bits, or null for none.
 inline const uint16_t* bf16_or_null(const std::vector<uint16_t>& bits) { return bits.empty() ? nullptr : bits.data(); }
