@@ -23,6 +23,8 @@ using cuda::DeviceBuffer;
 
 constexpr int kMaxDraftBatch = 64;  // rows per step (and per graph bucket); more requests run as several steps
 constexpr int kExtendChunk = 256;   // context rows projected per pass of the extension
+// The drafter's products let every kernel compete, the tensor cores too (matmul.h).
+constexpr auto kAnyKernel = cuda::FewRowKernels::Any;
 
 std::string layer_name(int layer, const char* tensor) { return "bb." + std::to_string(layer) + "." + tensor; }
 
@@ -388,14 +390,14 @@ void CudaDrafter::flush_contexts() {
       cuda::gather_staged_rows_forward(taps_device, device_staged_.data(), sources_device, padded, width_, s);
     // Hc = rms(hctx @ W_c, ctx_norm), kept in f32; per layer rms(Hc, attn_norm) @ k | v.
     cuda::matmul_forward(extend_projected_.data(), cuda::MatmulOutput::F32, taps_device, context_projection_.data(),
-                         nullptr, padded, width_, d, s);
+                         nullptr, padded, width_, d, s, kAnyKernel);
     cuda::residual_add_rmsnorm_forward(extend_projected_.data(), nullptr, extend_normed_.data(), context_norm_.data(),
                                        padded, d, eps, nullptr, extend_hidden_.data(), d, s);
     for (int l = 0; l < L; ++l) {
       cuda::rmsnorm_forward(extend_normed_.data(), extend_hidden_.data(), layers_[l].attention_norm.data(), padded, d,
                             eps, s);
       cuda::matmul_forward(extend_kv_.data(), cuda::MatmulOutput::BF16, extend_normed_.data(), layers_[l].kvq.data(),
-                           nullptr, padded, d, 2 * d, s);  // k | v: the first 2d rows of k | v | q
+                           nullptr, padded, d, 2 * d, s, kAnyKernel);  // k | v: the first 2d rows of k | v | q
       cuda::scatter_rows_forward(destinations_device + long(l) * padded, extend_kv_.data(), padded,
                                  static_cast<int>(row_elements), s);
     }
@@ -660,7 +662,7 @@ void CudaDrafter::run_step(int rows, bool greedy) {
   // Block rows: row 0 = E[anchor] @ tok_proj + block_pos[0]; row k = mask_emb[k-1] + block_pos[k].
   cuda::gather_rows_forward(anchor_rows_.data(), head_.embedding, anchors, B, H, s);
   cuda::matmul_forward(token_rows_.data(), cuda::MatmulOutput::F32, anchor_rows_.data(), token_projection_.data(),
-                       nullptr, B, H, d, s);
+                       nullptr, B, H, d, s, kAnyKernel);
   cuda::draft_block_forward(block_.data(), token_rows_.data(), mask_embedding_.data(), block_position_.data(), B, gamma,
                             d, s);
   p.mark("block rows", s);
@@ -671,7 +673,8 @@ void CudaDrafter::run_step(int rows, bool greedy) {
   for (int l = 0; l < c.num_layers; ++l) {
     const Layer& w = layers_[l];
     const bool last = l + 1 == c.num_layers;
-    cuda::matmul_forward(kvq_.data(), cuda::MatmulOutput::BF16, normed_.data(), w.kvq.data(), nullptr, R, d, 3 * d, s);
+    cuda::matmul_forward(kvq_.data(), cuda::MatmulOutput::BF16, normed_.data(), w.kvq.data(), nullptr, R, d, 3 * d, s,
+                         kAnyKernel);
     p.mark("k|v|q gemm", s);
     const cuda::DraftAttentionBatch batch{context_keys + long(l) * B, context_values + long(l) * B, lengths, 2L * d, B};
     cuda::bidirectional_attention_forward(attention_.data(), kvq_.data() + 2 * d, kvq_.data(), kvq_.data() + d, 3L * d,
@@ -682,10 +685,10 @@ void CudaDrafter::run_step(int rows, bool greedy) {
     const cuda::ResidualNorm attention_norm{.residual = block_.data(), .weight = w.ff_norm.data(),
                                             .normed = normed_.data(), .eps = eps, .counter = norm_counter_.data()};
     cuda::matmul_residual_rmsnorm_forward(projected_.data(), attention_.data(), w.o.data(), nullptr, R, d, d,
-                                          attention_norm, s);
+                                          attention_norm, s, kAnyKernel);
     p.mark("o gemm+add+norm", s);
     cuda::gated_matmul_forward(activated_.data(), cuda::GatedActivation::GeluTanh, normed_.data(), w.gate_up.data(),
-                               nullptr, gate_up_.data(), R, d, inner_, s);
+                               nullptr, gate_up_.data(), R, d, inner_, s, kAnyKernel);
     p.mark("gate|up gemm+gelu", s);
     // Hd += activated @ down; normed = rms(Hd, the next layer's attention norm), or h = rms(Hd, out_norm)
     // (f32 for the head, bf16 for out_proj)
@@ -695,13 +698,14 @@ void CudaDrafter::run_step(int rows, bool greedy) {
                                       .normed_tap = last ? hidden_.data() : nullptr, .tap_stride = d,
                                       .counter = norm_counter_.data()};
     cuda::matmul_residual_rmsnorm_forward(projected_.data(), activated_.data(), w.down.data(), nullptr, R, inner_, d,
-                                          mlp_norm, s);
+                                          mlp_norm, s, kAnyKernel);
     p.mark("down gemm+add+norm", s);
   }
   cuda::matmul_forward(head_input_.data(), cuda::MatmulOutput::BF16, normed_.data(), out_projection_.data(), nullptr, R,
-                       d, H, s);
+                       d, H, s, kAnyKernel);
   p.mark("out_proj gemm", s);
-  cuda::matmul_forward(logits_.data(), cuda::MatmulOutput::F32, head_input_.data(), head_.lm_head, nullptr, R, H, V, s);
+  cuda::matmul_forward(logits_.data(), cuda::MatmulOutput::F32, head_input_.data(), head_.lm_head, nullptr, R, H, V, s,
+                       kAnyKernel);
   p.mark("lm head gemm", s);
 
   // The sequential head, position by position for all rows: L_k = U_k + B_k in place, then x_k.

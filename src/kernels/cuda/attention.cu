@@ -280,13 +280,19 @@ __global__ void __launch_bounds__(kDraftWarps * 32)
       if (key_position < total) {
         const float* query = queries + k * head_dim;
         const bf16* key = keys + lane * padded;
-        float dot = 0.0f;
-#pragma unroll 8
-        for (int pair = 0; pair < head_dim / 2; ++pair) {
-          const float2 key_pair = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(key + 2 * pair));
-          dot += query[2 * pair] * key_pair.x + query[2 * pair + 1] * key_pair.y;
+        // Four independent sums over the 8-element chunks (head_dim / 8 of
+        // them): one dependent chain of head_dim FMAs was most of the kernel.
+        float dots[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+        for (int chunk = 0; chunk < chunks; ++chunk) {
+          float& dot = dots[chunk % 4];
+#pragma unroll
+          for (int pair = 4 * chunk; pair < 4 * chunk + 4; ++pair) {
+            const float2 key_pair = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(key + 2 * pair));
+            dot += query[2 * pair] * key_pair.x + query[2 * pair + 1] * key_pair.y;
+          }
         }
-        score = dot * scale;
+        score = ((dots[0] + dots[1]) + (dots[2] + dots[3])) * scale;
       }
       const float new_max = fmaxf(running_max[r], warp_max(score));
       if (new_max == -INFINITY) continue;  // no key of this tile (cannot happen inside [0, total))
@@ -299,10 +305,21 @@ __global__ void __launch_bounds__(kDraftWarps * 32)
       for (int j = 0; j < kBlockSize; ++j) {
         const float p = __shfl_sync(0xffffffffu, weight, j);
         const bf16* value = values + j * padded;
+        if constexpr (DIMS_PER_LANE % 2 == 0) {  // bf16 pairs (head_dim is a multiple of 8, rows 4-byte aligned)
 #pragma unroll
-        for (int d = 0; d < DIMS_PER_LANE; ++d) {
-          const int dim = lane * DIMS_PER_LANE + d;
-          if (dim < head_dim) accumulator[r][d] += p * __bfloat162float(value[dim]);
+          for (int d = 0; d < DIMS_PER_LANE; d += 2) {
+            const int dim = lane * DIMS_PER_LANE + d;
+            if (dim >= head_dim) continue;
+            const float2 pair = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(value + dim));
+            accumulator[r][d] += p * pair.x;
+            accumulator[r][d + 1] += p * pair.y;
+          }
+        } else {
+#pragma unroll
+          for (int d = 0; d < DIMS_PER_LANE; ++d) {
+            const int dim = lane * DIMS_PER_LANE + d;
+            if (dim < head_dim) accumulator[r][d] += p * __bfloat162float(value[dim]);
+          }
         }
       }
     }

@@ -46,8 +46,8 @@ struct MatmulPath {
 //    the GEMV, by the grid's last block to finish.
 using Epilogue = GemvEpilogue;
 
-// (rows, in, out, output type, bias, epilogue): a shape's choice of MatmulPath.
-using PathKey = std::tuple<int, int, int, MatmulOutput, bool, int>;
+// (rows, in, out, output type, bias, epilogue, kernels allowed): a shape's choice of MatmulPath.
+using PathKey = std::tuple<int, int, int, MatmulOutput, bool, int, FewRowKernels>;
 
 struct Plan {
   cublasLtMatmulDesc_t operation = nullptr;
@@ -526,8 +526,8 @@ namespace {
 // speed and made verify blocks 2-5x dearer, so it is not done.
 // gate_up: scratch [rows, 2 * out] for a gated epilogue on cuBLASLt.
 void matmul(void* out, MatmulOutput out_type, Epilogue epilogue, const bf16* x, const bf16* weight, const bf16* bias,
-            int rows, int in_features, int out_features, bf16* gate_up, const ResidualNorm& norm,
-            cudaStream_t stream) {
+            int rows, int in_features, int out_features, bf16* gate_up, const ResidualNorm& norm, cudaStream_t stream,
+            FewRowKernels kernels_allowed) {
   const bool gated = epilogue == Epilogue::Silu || epilogue == Epilogue::GeluTanh;
   const int product_features = gated ? 2 * out_features : out_features;
   MatmulContext& matmul = context();
@@ -555,16 +555,17 @@ void matmul(void* out, MatmulOutput out_type, Epilogue epilogue, const bf16* x, 
     epilogue_kernel();
   };
   // A shape's path is chosen on its first use; later calls (every eager step) only look it up.
-  const PathKey key{rows, in_features, out_features, out_type, bias != nullptr, static_cast<int>(epilogue)};
+  const PathKey key{rows,           in_features, out_features, out_type, bias != nullptr, static_cast<int>(epilogue),
+                    kernels_allowed};
   if (const std::optional<MatmulPath> path = matmul.chosen(key)) return run(*path);
   std::vector<GemvKernel> kernels = gemv_kernels(rows, in_features);
   if (epilogue == Epilogue::ResidualNorm && residual_norm_vectors(out_features, norm.tap_stride) == 0)
     kernels.clear();  // (the unfused path would do; not worth a case: no model of ours has such rows)
-  // Tensor cores only where the CUDA-core GEMV cannot run: its sums do not
-  // depend on the row count, so a verify row it computes has the bits of the
-  // same row decoded alone, and greedy speculative output stays that of plain
-  // decoding through bf16 near-ties.
-  if (rows <= kGemvMaxRows)
+  // The target's products: tensor cores only where the CUDA-core GEMV cannot
+  // run. Its sums do not depend on the row count, so a verify row it computes
+  // has the bits of the same row decoded alone, and greedy speculative output
+  // stays that of plain decoding through bf16 near-ties (FewRowKernels).
+  if (rows <= kGemvMaxRows && kernels_allowed == FewRowKernels::DecodeFamily)
     kernels.erase(std::remove(kernels.begin(), kernels.end(), GemvKernel::TensorCores), kernels.end());
   if (epilogue != Epilogue::ResidualNorm || kernels.empty())
     return run(matmul.choose(key, kernels, epilogue != Epilogue::Store, run, stream));
@@ -754,22 +755,23 @@ void argmax_tokens_forward(int32_t* tokens, const unsigned long long* argmax_key
 }
 
 void matmul_forward(void* out, MatmulOutput out_type, const bf16* x, const bf16* weight, const bf16* bias, int rows,
-                    int in_features, int out_features, cudaStream_t stream) {
-  matmul(out, out_type, Epilogue::Store, x, weight, bias, rows, in_features, out_features, nullptr, {}, stream);
+                    int in_features, int out_features, cudaStream_t stream, FewRowKernels kernels) {
+  matmul(out, out_type, Epilogue::Store, x, weight, bias, rows, in_features, out_features, nullptr, {}, stream,
+         kernels);
 }
 
 void gated_matmul_forward(bf16* activated, GatedActivation activation, const bf16* x, const bf16* gate_up_weight,
                           const bf16* bias, bf16* gate_up, int rows, int in_features, int out_features,
-                          cudaStream_t stream) {
+                          cudaStream_t stream, FewRowKernels kernels) {
   matmul(activated, MatmulOutput::BF16, activation == GatedActivation::Silu ? Epilogue::Silu : Epilogue::GeluTanh, x,
-         gate_up_weight, bias, rows, in_features, out_features, gate_up, {}, stream);
+         gate_up_weight, bias, rows, in_features, out_features, gate_up, {}, stream, kernels);
 }
 
 void matmul_residual_rmsnorm_forward(bf16* delta, const bf16* x, const bf16* weight, const bf16* bias, int rows,
-                                     int in_features, int out_features, const ResidualNorm& norm,
-                                     cudaStream_t stream) {
+                                     int in_features, int out_features, const ResidualNorm& norm, cudaStream_t stream,
+                                     FewRowKernels kernels) {
   matmul(delta, MatmulOutput::BF16, Epilogue::ResidualNorm, x, weight, bias, rows, in_features, out_features, nullptr,
-         norm, stream);
+         norm, stream, kernels);
 }
 
 void gemv_matmul_forward(void* out, MatmulOutput out_type, GemvEpilogue epilogue, GemvKernel kernel, const bf16* x,

@@ -20,9 +20,16 @@ namespace dspark::cuda {
 
 enum class MatmulOutput { BF16, F32 };
 
+// Which kernels may run a product of up to 8 rows. DecodeFamily (the
+// target): the CUDA-core GEMV or cuBLASLt, not the tensor cores, so that
+// where the GEMV runs a verify row has the bits of the same row decoded alone.
+// Any (the drafter, which has no such pairing): the tensor-core GEMV competes
+// too, and wins most of its 7-row shapes (8B-size drafter: 9-13 -> 7-9 us).
+enum class FewRowKernels { DecodeFamily, Any };
+
 void matmul_forward(void* out, MatmulOutput out_type, const __nv_bfloat16* x, const __nv_bfloat16* weight,
-                    const __nv_bfloat16* bias, int rows, int in_features, int out_features,
-                    cudaStream_t stream);
+                    const __nv_bfloat16* bias, int rows, int in_features, int out_features, cudaStream_t stream,
+                    FewRowKernels kernels = FewRowKernels::DecodeFamily);
 
 // The MLP's gated input: activated [rows, out] = act(x @ gate^T + gate_bias) *
 // (x @ up^T + up_bias), weight = gate|up [2 * out, in], bias [2 * out] or null.
@@ -33,7 +40,8 @@ void matmul_forward(void* out, MatmulOutput out_type, const __nv_bfloat16* x, co
 enum class GatedActivation { Silu, GeluTanh };
 void gated_matmul_forward(__nv_bfloat16* activated, GatedActivation activation, const __nv_bfloat16* x,
                           const __nv_bfloat16* gate_up_weight, const __nv_bfloat16* bias, __nv_bfloat16* gate_up,
-                          int rows, int in_features, int out_features, cudaStream_t stream);
+                          int rows, int in_features, int out_features, cudaStream_t stream,
+                          FewRowKernels kernels = FewRowKernels::DecodeFamily);
 
 // A projection back into the residual stream and the norm after it:
 // delta [rows, out] = x @ weight^T (+ bias), then residual_add_rmsnorm_forward
@@ -52,7 +60,8 @@ struct ResidualNorm {
 };
 void matmul_residual_rmsnorm_forward(__nv_bfloat16* delta, const __nv_bfloat16* x, const __nv_bfloat16* weight,
                                      const __nv_bfloat16* bias, int rows, int in_features, int out_features,
-                                     const ResidualNorm& norm, cudaStream_t stream);
+                                     const ResidualNorm& norm, cudaStream_t stream,
+                                     FewRowKernels kernels = FewRowKernels::DecodeFamily);
 
 // The GEMVs alone: on the CUDA cores with 1 or 4 output features per warp
 // (1..8 rows, in_features a multiple of 8), or on the tensor cores (1..16
