@@ -193,6 +193,55 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
   }
 }
 
+// The gate times the rounds it runs: drafted rounds that take longer than the
+// profiles predict (a ragged verify that replays no graph) close it although
+// the profiles say drafting pays; undrafted rounds that cost more than the
+// profile's plain step make drafting look better by as much.
+TEST(PrefixScheduler, GateScalesItsEstimateByTimedRounds) {
+  const SpsProfile flat = profile({1, 1000}, {100.0, 100.0});  // 10 ms steps
+  std::vector<Proposal> good(1);
+  good[0].tokens = {1, 2}, good[0].confidence = {0.9f, 0.9f};
+  const double e_good = 1 + 0.9f + double(0.9f) * 0.9f;  // tokens a good round is expected to emit
+  const std::vector<int> one = {64};
+  std::vector<int> verify;
+  // The profiles predict 10 + 1 ms a round (gain 2.46); each drafted round takes 40 ms.
+  PrefixScheduler slow(flat, DraftCostProfile{{1}, {0.001}});
+  std::string pattern;
+  for (int round = 0; round < 12; ++round) {
+    const bool draft = slow.rows_to_draft(one) == 1;
+    pattern += draft ? 'D' : '.';
+    if (draft) slow.schedule(good, verify);
+    slow.observe_round(draft ? 0.040 : 0.010);
+  }
+  // gain: 2.46 while nothing is timed (the first round has no drafted round
+  // before it), then half way to 2.71 / 40 ms / 100 = 0.68 each drafted round.
+  EXPECT_EQ(pattern, "DDDDD.D..D..");
+  const double untimed_gain = e_good / 0.011 / 100, timed_gain = e_good / 0.040 / 100;
+  EXPECT_NEAR(slow.gain(), timed_gain + (untimed_gain - timed_gain) / 32, 1e-6);
+  // A round far slower than predicted (4x: a graph being captured) is not counted.
+  PrefixScheduler one_off(flat, DraftCostProfile{{1}, {0.001}});
+  for (int round = 0; round < 3; ++round) {
+    ASSERT_EQ(one_off.rows_to_draft(one), 1);
+    one_off.schedule(good, verify);
+    one_off.observe_round(0.5);
+  }
+  EXPECT_NEAR(one_off.gain(), untimed_gain, 1e-6);
+  // Undrafted rounds at 20 ms (twice the plain step the profile measured): a
+  // drafted round at 30 ms against them gains 2.71 / 30 ms over 1 / 20 ms.
+  PrefixScheduler dear_plain(flat, DraftCostProfile{{1}, {0.001}});
+  for (int round = 0; round < 3; ++round) {
+    ASSERT_EQ(dear_plain.rows_to_draft(one), 1);
+    dear_plain.observe_round(0.020);  // (as if undrafted: schedule() was not called)
+  }
+  for (int round = 0; round < 8; ++round) {
+    ASSERT_EQ(dear_plain.rows_to_draft(one), 1) << round;
+    dear_plain.schedule(good, verify);
+    dear_plain.observe_round(0.030);
+  }
+  const double against_timed = e_good / 0.030 / (1 / 0.020), untimed = e_good / 0.011 / (1 / 0.020);
+  EXPECT_NEAR(dear_plain.gain(), against_timed + (untimed - against_timed) / 64, 1e-6);
+}
+
 // A batch runs until its last row is done, so the gate's estimate follows
 // the row with the most rounds left (n_r / e_r), not the rows' mean: a poor
 // row with as much left as a good one holds the batch to its own 1.05

@@ -16,6 +16,7 @@ namespace dspark {
 
 // The longest run of plain rounds between two drafted ones while drafting does not pay.
 constexpr int kMaxUndraftedRounds = 32;
+constexpr double kOneOffRatio = 4.0;  // observe_round ignores rounds that took longer than this x their prediction
 
 namespace {
 
@@ -481,12 +482,36 @@ std::vector<int> prefix_schedule(std::span<const std::vector<float>> confidences
 int PrefixScheduler::rows_to_draft(std::span<const int> remaining) {
   remaining_.assign(remaining.begin(), remaining.end());
   const int rows = static_cast<int>(remaining.size());
+  // An undrafted round is predicted to cost a plain step; a drafted one's
+  // prediction is set by schedule().
+  after_drafted_round_ = drafting_round_;
+  drafting_round_ = timed_as_drafted_ = false;
+  predicted_seconds_ = rows > 0 ? 1.0 / sps_.plain_at(rows) : 0.0;
   if (!draft_cost_ || gain_ >= 1.0) return rows;
   if (undrafted_left_ > 0) {
     --undrafted_left_;
     return 0;
   }
   return std::min(rows, 1);  // the probe: one row drafts, to look again
+}
+
+void PrefixScheduler::observe_round(double seconds) {
+  if (!draft_cost_ || predicted_seconds_ <= 0.0 || seconds <= 0.0) return;
+  double& cost = timed_as_drafted_ ? drafted_cost_ : undrafted_cost_;
+  bool& timed = timed_as_drafted_ ? drafted_timed_ : undrafted_timed_;
+  const double ratio = seconds / predicted_seconds_;
+  // A round far off its prediction is a one-off (the CUDA target captures a
+  // step's graph on the shape's second use, ~10x a step), not what the next
+  // rounds will cost: counting it could keep the gate shut for good, since
+  // only rounds where every row drafts are timed against the drafted
+  // prediction.
+  if (ratio > kOneOffRatio) {
+    predicted_seconds_ = 0.0;
+    return;
+  }
+  cost = timed ? 0.5 * cost + 0.5 * ratio : ratio;
+  timed = true;
+  predicted_seconds_ = 0.0;
 }
 
 void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<int>& verify) {
@@ -525,8 +550,18 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   if (drafting == 0) return;
   const double expected_all = R * most_left / most_rounds;
   const double tokens_all = R + double(tokens - R) * R / drafting;
-  const double speculative = expected_all / (1.0 / sps_.round_at(R, (tokens_all - R) / R) + draft_cost_->at(R));
-  const double gain = speculative / (R * sps_.plain_at(R));
+  // This round as the profiles see it, for observe_round: a round where every
+  // row drafts (a probe's cost says nothing about one: its one drafting row
+  // makes the verify ragged), right after another drafted round (the first
+  // after undrafted ones also projects all the rows they staged into the
+  // drafter's context); then such a round's predicted time, scaled by what
+  // timed ones have cost against their predictions.
+  drafting_round_ = true;
+  timed_as_drafted_ = drafting == R && after_drafted_round_;
+  predicted_seconds_ = timed_as_drafted_ ? 1.0 / sps_.round_at(R, double(tokens - R) / R) + draft_cost_->at(R) : 0.0;
+  const double all_drafting = (1.0 / sps_.round_at(R, (tokens_all - R) / R) + draft_cost_->at(R)) * drafted_cost_;
+  const double speculative = expected_all / all_drafting;
+  const double gain = speculative * undrafted_cost_ / (R * sps_.plain_at(R));
   gain_ = measured_ ? 0.5 * gain_ + 0.5 * gain : gain;
   measured_ = true;
   if (gain_ >= 1.0) {

@@ -30,6 +30,16 @@
 // 32 of them one row drafts (a probe, scaled to R rows for the estimate: a
 // cheap look where drafting costs per row).
 //
+// The profiles are measured once, apart from real rounds; real rounds may
+// cost more (a round whose rows verify different numbers of drafts cannot
+// replay a captured graph: at batch 64 on the H200 1.3 ms against the
+// profile's ~0.5). So the gate also times the rounds it runs: the ratio of a
+// drafted round's measured time to the profiles' prediction for it, and of an
+// undrafted round's to a plain step's, each smoothed (a round over 4x its
+// prediction, such as one that captures a graph, is skipped), scale the
+// estimate of later rounds (observe_round). Only at temperature 0
+// (spec/speculative.cpp): a sampling run with a seed must repeat exactly.
+//
 // τ_b is the batch's progress per round, not its rows' mean: the rows of a
 // batch run until the last of them is done, so a batch drafting at expected
 // e_r tokens per round for row r (1 + the survival of its verified prefix)
@@ -39,10 +49,10 @@
 // batch 64: rounds emitting 2.7 tokens per row on average finished the batch
 // in 121 rounds where plain decoding took 192 steps, a τ_b of 1.6).
 //
-// The decisions read only earlier rounds' confidences, the rows' remaining
-// lengths and the stored profiles, never a token of the round they concern,
-// so every output distribution (and, given the cached profiles, every
-// output) stays as it was.
+// The decisions read only earlier rounds' confidences (and, greedy, their
+// durations), the rows' remaining lengths and the stored profiles, never a
+// token of the round they concern, so every output distribution (and, given
+// the cached profiles, every output) stays as it was.
 #pragma once
 #include <filesystem>
 #include <optional>
@@ -155,6 +165,10 @@ class VerifyScheduler {
   // verify[i] = how many of proposals[i].tokens the round verifies (a prefix).
   // proposals[i].confidence is empty when the source has no confidences.
   virtual void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) = 0;
+  // Told after each round how long it took (drafting, verify and accepts, on
+  // the host's clock). A round's duration does not depend on which tokens it
+  // drew, so later decisions may read it.
+  virtual void observe_round(double /*seconds*/) {}
 };
 
 // Alg 1 on plain confidences: confidences[r] = row r's c_{r,0..n_r-1}
@@ -173,6 +187,7 @@ class PrefixScheduler final : public VerifyScheduler {
   int rows_to_draft(std::span<const int> remaining) override;
   // Rows whose proposal has no confidences are verified whole (their tokens count in B).
   void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) override;
+  void observe_round(double seconds) override;
   const SpsProfile& sps() const { return sps_; }
   // The running estimate of drafting's gain over plain decoding (1 before any round).
   double gain() const { return gain_; }
@@ -187,6 +202,12 @@ class PrefixScheduler final : public VerifyScheduler {
   bool measured_ = false;   // gain_ holds a measurement
   int undrafted_left_ = 0;  // plain rounds still to run before the next probe
   int backoff_ = 1;         // plain rounds after the next round that does not pay
+  // Measured / predicted time of drafted and of undrafted rounds (smoothed; 1 before any).
+  double drafted_cost_ = 1.0, undrafted_cost_ = 1.0;
+  bool drafted_timed_ = false, undrafted_timed_ = false;
+  double predicted_seconds_ = 0.0;  // the profiles' time for the round being run (0: not timed)
+  bool timed_as_drafted_ = false;   // whether it is timed against the drafted prediction
+  bool drafting_round_ = false, after_drafted_round_ = false;  // this round drafts; the one before did
 };
 
 }  // namespace dspark

@@ -256,6 +256,11 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       request.pending = verdict.next;
     }
     source.finish_accepts();  // before the next forward overwrites the taps
+    // Round times steer the scheduler only at temperature 0: when sampling,
+    // its decisions choose which random numbers are drawn, and a seeded run
+    // must repeat exactly, which a clock cannot.
+    if (options.scheduler && options.sampling.greedy())
+      options.scheduler->observe_round(std::chrono::duration<double>(Clock::now() - round_start).count());
     for (int r : active)
       if (requests[r].done) {
         target.release_sequence(requests[r].sequence);
