@@ -555,8 +555,8 @@ void matmul(void* out, MatmulOutput out_type, Epilogue epilogue, const bf16* x, 
     epilogue_kernel();
   };
   // A shape's path is chosen on its first use; later calls (every eager step) only look it up.
-  const PathKey key{rows,           in_features, out_features, out_type, bias != nullptr, static_cast<int>(epilogue),
-                    kernels_allowed};
+  const PathKey key = std::make_tuple(rows, in_features, out_features, out_type, bias != nullptr,
+                                      static_cast<int>(epilogue), kernels_allowed);
   if (const std::optional<MatmulPath> path = matmul.chosen(key)) return run(*path);
   std::vector<GemvKernel> kernels = gemv_kernels(rows, in_features);
   if (epilogue == Epilogue::ResidualNorm && residual_norm_vectors(out_features, norm.tap_stride) == 0)
