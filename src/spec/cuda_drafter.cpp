@@ -23,6 +23,8 @@ using cuda::DeviceBuffer;
 
 constexpr int kMaxDraftBatch = 64;  // rows per step (and per graph bucket); more requests run as several steps
 constexpr int kExtendChunk = 256;   // context rows projected per pass of the extension
+// Staged rows (all contexts) past which a draft projects every context's, not only its requests'.
+constexpr long kMaxStagedBytes = 256L << 20;
 // The drafter's products let every kernel compete, the tensor cores too (matmul.h).
 constexpr auto kAnyKernel = cuda::FewRowKernels::Any;
 
@@ -313,8 +315,17 @@ void CudaDrafter::grow_context(Context& c, int rows) {
   c.capacity = capacity;
 }
 
-void CudaDrafter::flush_contexts() {
+void CudaDrafter::flush_contexts() { flush_contexts_of({}); }
+
+void CudaDrafter::flush_contexts_of(std::span<const int> ids) {
   convert_device_rows();
+  // Only the listed contexts (all when none are listed): a request left
+  // undrafted keeps its rows staged until it drafts, unless all contexts'
+  // staged rows together outgrow kMaxStagedBytes.
+  long staged = 0;
+  for (const auto& [id, c] : contexts_) staged += c.staged_rows();
+  const bool all = ids.empty() || staged * width_ * long(sizeof(bf16)) > kMaxStagedBytes;
+  auto flushed = [&](int id) { return all || std::find(ids.begin(), ids.end(), id) != ids.end(); };
   struct Row {
     Context* context;
     int position;
@@ -324,7 +335,7 @@ void CudaDrafter::flush_contexts() {
   std::vector<Row> rows;
   bool device_rows = false;
   for (auto& [id, c] : contexts_) {
-    if (c.staged_rows() == 0) continue;
+    if (c.staged_rows() == 0 || !flushed(id)) continue;
     grow_context(c, c.length + c.staged_rows());
     size_t host_row = 0;
     for (int i = 0; i < c.staged_rows(); ++i) {
@@ -334,7 +345,14 @@ void CudaDrafter::flush_contexts() {
       device_rows |= !on_host;
     }
   }
-  device_staged_rows_ = 0;  // every staged row is in `rows` (the rest were truncated away)
+  // Every device-staged row of a flushed context is in `rows` (the rest were
+  // truncated away); the area starts over once no context holds one.
+  bool device_rows_left = false;
+  for (const auto& [id, c] : contexts_)
+    if (!flushed(id))
+      device_rows_left |= std::any_of(c.staged_sources.begin(), c.staged_sources.end(),
+                                      [](int32_t source) { return source != kHostRow; });
+  if (!device_rows_left) device_staged_rows_ = 0;
   if (rows.empty()) return;
   const int d = config_.d_draft, L = config_.num_layers;
   const float eps = dims_.eps;
@@ -407,6 +425,7 @@ void CudaDrafter::flush_contexts() {
     device_staged_read_pending_ = true;
   }
   for (auto& [id, c] : contexts_) {
+    if (!flushed(id)) continue;
     c.length += c.staged_rows();
     c.staged.clear();
     c.staged_sources.clear();
@@ -503,7 +522,9 @@ void CudaDrafter::draft(std::span<const CudaDraftRequest> requests, const DraftO
                  " is outside the vocabulary of ", dims_.vocab_size);
     DSPARK_CHECK(options.sampling.greedy() || request.rng, "sampled drafting needs each request's random stream");
   }
-  flush_contexts();
+  std::vector<int> drafting;
+  for (const CudaDraftRequest& request : requests) drafting.push_back(request.context);
+  flush_contexts_of(drafting);
   results.assign(requests.size(), DraftResult{});
   for (size_t begin = 0; begin < requests.size(); begin += kMaxDraftBatch) {
     const size_t count = std::min<size_t>(kMaxDraftBatch, requests.size() - begin);

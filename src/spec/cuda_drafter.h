@@ -11,8 +11,11 @@
 // Retained context: one context per request holds, for every layer, the keys
 // and values of rms(Hc, attn_norm) of its rows in one device allocation
 // [layers, capacity, 2d] (k | v per row), grown by doubling. extend_context()
-// only stages the tapped rows (as bf16); the next draft() (or
-// flush_contexts()) projects all contexts' new rows in one batched pass.
+// only stages the tapped rows (as bf16); the next draft() projects its
+// requests' contexts' new rows in one batched pass (flush_contexts(): all
+// contexts'). A request left undrafted (Alg 1's gate: a probe drafts one row
+// of 64) keeps its rows staged until it drafts, or until all staged rows
+// together pass kMaxStagedBytes and a draft projects everyone's.
 // Rows come from the host (extend_context: converted there, uploaded with the
 // pass) or straight from the CUDA target's device taps
 // (extend_context_from_device: converted on the device into one device staging
@@ -103,7 +106,8 @@ class CudaDrafter {
   // queued there.
   void convert_device_rows();
   void truncate_context(int context, int length);
-  // Projects every staged row into its context now (draft() does this first).
+  // Projects every staged row into its context now (draft() does this first
+  // for its requests' contexts).
   void flush_contexts();
   // One context's retained keys and values of `layer`, [length, d] each (for tests).
   void read_context(int context, int layer, std::vector<float>& keys, std::vector<float>& values);
@@ -148,6 +152,8 @@ class CudaDrafter {
 
   Context& context(int id);
   const Context& context(int id) const;
+  // flush_contexts() for the contexts `ids` (all when empty).
+  void flush_contexts_of(std::span<const int> ids);
   void grow_context(Context& context, int rows);
   void wait_for_extend_staging();
   void ensure_device_staging(int rows);

@@ -679,10 +679,19 @@ TEST_P(CudaDrafting, ExtendFromDeviceRowsStoresWhatHostRowsStore) {
   // device staging area, which itself grows past its first 256 rows.
   for (int i = 0; i < 20; ++i) both(0, 16, i % 3 != 0);
   expect_equal(16 + 20 * 16, "grown");
-  // Drafts from the three contexts are the same too.
+  // A draft projects only its requests' contexts: the others' rows stay
+  // staged (device rows among them, while more arrive) and land the same.
   DraftOptions options;
   options.collect_logits = true;
   std::vector<DraftResult> results;
+  both(0, 4, true);
+  const CudaDraftRequest device_only{device, tokens_[3], nullptr};
+  gpu_->draft({&device_only, 1}, options, results);
+  both(4, 3, true);
+  gpu_->draft({&device_only, 1}, options, results);
+  both(7, 2, false);
+  expect_equal(16 + 20 * 16 + 9, "one context drafting while the others stay staged");
+  // Drafts from the three contexts are the same too.
   const CudaDraftRequest requests[] = {
       {host, tokens_[3], nullptr}, {device, tokens_[3], nullptr}, {mixed, tokens_[3], nullptr}};
   gpu_->draft(requests, options, results);
