@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <functional>
+#include <string>
 
 #include "cli_runner.h"
 #include "core/file.h"
@@ -134,6 +136,23 @@ TEST(DraftCostProfile, InterpolatesAndScalesPerRowPastTheLastPoint) {
 // 10 ms) and drafting costing D, a round predicts τ* / (10 ms + D) tokens/s
 // against plain decoding's 100. Rounds that do not pay leave the next 1, 2,
 // 4, ... rounds undrafted; a smoothed gain back at >= 1 drafts every round.
+// Single-row rounds through the gate: 'D' where the row drafts (the round
+// then schedules `first` in round 0, `later` after it), '.' where it does
+// not; with seconds_for, each round is then observed to take seconds_for(drafted).
+std::string gate_pattern(PrefixScheduler& scheduler, int rounds, const std::vector<Proposal>& first,
+                         const std::vector<Proposal>& later, const std::function<double(bool)>& seconds_for = {}) {
+  const std::vector<int> one = {64};  // rows_to_draft's argument: tokens the row may still emit
+  std::vector<int> verify;
+  std::string pattern;
+  for (int round = 0; round < rounds; ++round) {
+    const bool draft = scheduler.rows_to_draft(one) == 1;
+    pattern += draft ? 'D' : '.';
+    if (draft) scheduler.schedule(round == 0 ? first : later, verify);
+    if (seconds_for) scheduler.observe_round(seconds_for(draft));
+  }
+  return pattern;
+}
+
 TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
   const SpsProfile flat = profile({1, 1000}, {100.0, 100.0});
   std::vector<Proposal> good(1), poor(1);
@@ -151,23 +170,11 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
   EXPECT_NEAR(cheap.gain(), 2.71 / 0.011 / 100, 1e-6);  // 0.9f is not 0.9
   // Dear drafting (100 ms): gain 0.25 every time: undrafted runs of 1, 2, 4, 8.
   PrefixScheduler dear(flat, DraftCostProfile{{1}, {0.1}});
-  std::string pattern;
-  for (int round = 0; round < 19; ++round) {
-    const bool draft = dear.rows_to_draft(one) == 1;
-    pattern += draft ? 'D' : '.';
-    if (draft) dear.schedule(good, verify);
-  }
-  EXPECT_EQ(pattern, "D.D..D....D........");
+  EXPECT_EQ(gate_pattern(dear, 19, good, good), "D.D..D....D........");
   // Near the break-even point (10 ms): poor rounds gain 0.525, good ones 1.355;
   // the smoothed gain goes 0.525, 0.94, 1.15, 1.25, 1.30: drafting resumes every round.
   PrefixScheduler even(flat, DraftCostProfile{{1}, {0.01}});
-  pattern.clear();
-  for (int round = 0; round < 8; ++round) {
-    const bool draft = even.rows_to_draft(one) == 1;
-    pattern += draft ? 'D' : '.';
-    if (draft) even.schedule(round == 0 ? poor : good, verify);
-  }
-  EXPECT_EQ(pattern, "D.D..DDD");
+  EXPECT_EQ(gate_pattern(even, 8, poor, good), "D.D..DDD");
   EXPECT_NEAR(even.gain(), 0.0625 * 0.525 + 0.9375 * 1.355, 1e-6);
   // Four rows: a closed gate probes with one row, whose round is scaled to
   // four for the estimate (the same gain as four such rows drafting).
@@ -206,16 +213,9 @@ TEST(PrefixScheduler, GateScalesItsEstimateByTimedRounds) {
   std::vector<int> verify;
   // The profiles predict 10 + 1 ms a round (gain 2.46); each drafted round takes 40 ms.
   PrefixScheduler slow(flat, DraftCostProfile{{1}, {0.001}});
-  std::string pattern;
-  for (int round = 0; round < 12; ++round) {
-    const bool draft = slow.rows_to_draft(one) == 1;
-    pattern += draft ? 'D' : '.';
-    if (draft) slow.schedule(good, verify);
-    slow.observe_round(draft ? 0.040 : 0.010);
-  }
   // gain: 2.46 while nothing is timed (the first round has no drafted round
   // before it), then half way to 2.71 / 40 ms / 100 = 0.68 each drafted round.
-  EXPECT_EQ(pattern, "DDDDD.D..D..");
+  EXPECT_EQ(gate_pattern(slow, 12, good, good, [](bool drafted) { return drafted ? 0.040 : 0.010; }), "DDDDD.D..D..");
   const double untimed_gain = e_good / 0.011 / 100, timed_gain = e_good / 0.040 / 100;
   EXPECT_NEAR(slow.gain(), timed_gain + (untimed_gain - timed_gain) / 32, 1e-6);
   // A round far slower than predicted (4x: a graph being captured) is not counted.

@@ -317,15 +317,18 @@ void CudaDrafter::grow_context(Context& c, int rows) {
 
 void CudaDrafter::flush_contexts() { flush_contexts_of({}); }
 
-void CudaDrafter::flush_contexts_of(std::span<const int> ids) {
+void CudaDrafter::flush_contexts_of(std::span<const CudaDraftRequest> requests) {
   convert_device_rows();
-  // Only the listed contexts (all when none are listed): a request left
+  // Only the requests' contexts (all when there are none): a request left
   // undrafted keeps its rows staged until it drafts, unless all contexts'
   // staged rows together outgrow kMaxStagedBytes.
   long staged = 0;
   for (const auto& [id, c] : contexts_) staged += c.staged_rows();
-  const bool all = ids.empty() || staged * width_ * long(sizeof(bf16)) > kMaxStagedBytes;
-  auto flushed = [&](int id) { return all || std::find(ids.begin(), ids.end(), id) != ids.end(); };
+  const bool all = requests.empty() || staged * width_ * long(sizeof(bf16)) > kMaxStagedBytes;
+  auto flushed = [&](int id) {
+    return all || std::any_of(requests.begin(), requests.end(),
+                              [id](const CudaDraftRequest& request) { return request.context == id; });
+  };
   struct Row {
     Context* context;
     int position;
@@ -522,9 +525,7 @@ void CudaDrafter::draft(std::span<const CudaDraftRequest> requests, const DraftO
                  " is outside the vocabulary of ", dims_.vocab_size);
     DSPARK_CHECK(options.sampling.greedy() || request.rng, "sampled drafting needs each request's random stream");
   }
-  std::vector<int> drafting;
-  for (const CudaDraftRequest& request : requests) drafting.push_back(request.context);
-  flush_contexts_of(drafting);
+  flush_contexts_of(requests);
   results.assign(requests.size(), DraftResult{});
   for (size_t begin = 0; begin < requests.size(); begin += kMaxDraftBatch) {
     const size_t count = std::min<size_t>(kMaxDraftBatch, requests.size() - begin);

@@ -152,8 +152,8 @@ class CudaDrafter {
 
   Context& context(int id);
   const Context& context(int id) const;
-  // flush_contexts() for the contexts `ids` (all when empty).
-  void flush_contexts_of(std::span<const int> ids);
+  // flush_contexts() for the requests' contexts (all when there are none).
+  void flush_contexts_of(std::span<const CudaDraftRequest> requests);
   void grow_context(Context& context, int rows);
   void wait_for_extend_staging();
   void ensure_device_staging(int rows);

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
+#include <utility>
 
 #include "core/error.h"
 #include "core/file.h"
@@ -485,7 +486,8 @@ int PrefixScheduler::rows_to_draft(std::span<const int> remaining) {
   // An undrafted round is predicted to cost a plain step; a drafted one's
   // prediction is set by schedule().
   after_drafted_round_ = drafting_round_;
-  drafting_round_ = timed_as_drafted_ = false;
+  drafting_round_ = false;
+  timed_ = rows > 0 ? &undrafted_cost_ : nullptr;
   predicted_seconds_ = rows > 0 ? 1.0 / sps_.plain_at(rows) : 0.0;
   if (!draft_cost_ || gain_ >= 1.0) return rows;
   if (undrafted_left_ > 0) {
@@ -495,23 +497,21 @@ int PrefixScheduler::rows_to_draft(std::span<const int> remaining) {
   return std::min(rows, 1);  // the probe: one row drafts, to look again
 }
 
+void PrefixScheduler::CostRatio::add(double ratio) {
+  value = measured ? 0.5 * value + 0.5 * ratio : ratio;
+  measured = true;
+}
+
 void PrefixScheduler::observe_round(double seconds) {
-  if (!draft_cost_ || predicted_seconds_ <= 0.0 || seconds <= 0.0) return;
-  double& cost = timed_as_drafted_ ? drafted_cost_ : undrafted_cost_;
-  bool& timed = timed_as_drafted_ ? drafted_timed_ : undrafted_timed_;
-  const double ratio = seconds / predicted_seconds_;
+  CostRatio* timed = std::exchange(timed_, nullptr);
+  if (!draft_cost_ || !timed || seconds <= 0.0) return;
   // A round far off its prediction is a one-off (the CUDA target captures a
   // step's graph on the shape's second use, ~10x a step), not what the next
   // rounds will cost: counting it could keep the gate shut for good, since
   // only rounds where every row drafts are timed against the drafted
   // prediction.
-  if (ratio > kOneOffRatio) {
-    predicted_seconds_ = 0.0;
-    return;
-  }
-  cost = timed ? 0.5 * cost + 0.5 * ratio : ratio;
-  timed = true;
-  predicted_seconds_ = 0.0;
+  const double ratio = seconds / predicted_seconds_;
+  if (ratio <= kOneOffRatio) timed->add(ratio);
 }
 
 void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<int>& verify) {
@@ -557,11 +557,11 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   // drafter's context); then such a round's predicted time, scaled by what
   // timed ones have cost against their predictions.
   drafting_round_ = true;
-  timed_as_drafted_ = drafting == R && after_drafted_round_;
-  predicted_seconds_ = timed_as_drafted_ ? 1.0 / sps_.round_at(R, double(tokens - R) / R) + draft_cost_->at(R) : 0.0;
-  const double all_drafting = (1.0 / sps_.round_at(R, (tokens_all - R) / R) + draft_cost_->at(R)) * drafted_cost_;
+  timed_ = drafting == R && after_drafted_round_ ? &drafted_cost_ : nullptr;
+  predicted_seconds_ = 1.0 / sps_.round_at(R, double(tokens - R) / R) + draft_cost_->at(R);
+  const double all_drafting = (1.0 / sps_.round_at(R, (tokens_all - R) / R) + draft_cost_->at(R)) * drafted_cost_.value;
   const double speculative = expected_all / all_drafting;
-  const double gain = speculative * undrafted_cost_ / (R * sps_.plain_at(R));
+  const double gain = speculative * undrafted_cost_.value / (R * sps_.plain_at(R));
   gain_ = measured_ ? 0.5 * gain_ + 0.5 * gain : gain;
   measured_ = true;
   if (gain_ >= 1.0) {

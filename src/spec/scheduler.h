@@ -202,11 +202,15 @@ class PrefixScheduler final : public VerifyScheduler {
   bool measured_ = false;   // gain_ holds a measurement
   int undrafted_left_ = 0;  // plain rounds still to run before the next probe
   int backoff_ = 1;         // plain rounds after the next round that does not pay
-  // Measured / predicted time of drafted and of undrafted rounds (smoothed; 1 before any).
-  double drafted_cost_ = 1.0, undrafted_cost_ = 1.0;
-  bool drafted_timed_ = false, undrafted_timed_ = false;
-  double predicted_seconds_ = 0.0;  // the profiles' time for the round being run (0: not timed)
-  bool timed_as_drafted_ = false;   // whether it is timed against the drafted prediction
+  // Measured / predicted time of one kind of round, smoothed (1 before any).
+  struct CostRatio {
+    double value = 1.0;
+    bool measured = false;
+    void add(double ratio);
+  };
+  CostRatio drafted_cost_, undrafted_cost_;
+  CostRatio* timed_ = nullptr;      // what the round being run is timed against (null: it is not)
+  double predicted_seconds_ = 0.0;  // the profiles' time for it
   bool drafting_round_ = false, after_drafted_round_ = false;  // this round drafts; the one before did
 };
 

@@ -79,11 +79,12 @@ inline int ceil_div(long a, long b) { return static_cast<int>((a + b - 1) / b); 
 // first, before it reads or writes any memory (an earlier kernel may still be
 // writing what it reads, or reading what it writes); the wait returns when the
 // previous kernel has finished and its writes are visible. (Prefetching the
-// GEMVs' first weights into L2 before the wait was tried: 1-3% slower.) start_next_kernel(), called
-// right after the wait, lets the next kernel launch once all blocks of this
-// one have called it: calling it after the wait keeps the chain ordered (the
-// next kernel starts only once this one's predecessor has finished). Both are
-// no-ops in a kernel launched the ordinary way.
+// GEMVs' first weights into L2 before the wait was tried: 1-3% slower.)
+// start_next_kernel(), called right after the wait, lets the next kernel
+// launch once all blocks of this one have called it: calling it after the
+// wait keeps the chain ordered (the next kernel starts only once this one's
+// predecessor has finished). Both are no-ops in a kernel launched the
+// ordinary way.
 __device__ __forceinline__ void wait_for_previous_kernel() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
