@@ -10,6 +10,9 @@
 // cache-resident), as the drafter's few MB of weights stay in L2/L3 between
 // its steps.
 //
+// small_rows_bf16 runs the small-row kernel on the weights' bf16 bits (the
+// values rounded to bf16 first; [out, in] in pack_bf16_rows' pairs), as the
+// models' bf16 checkpoints are read.
 // --isa=avx2 (or baseline) runs the small-row kernel's narrower builds.
 // --hot runs every shape hot (to see the kernels' arithmetic apart from
 // memory), --cold every shape cold.
@@ -27,6 +30,7 @@
 #include <tuple>
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/random.h"
 #include "kernels/cpu/matmul.h"
 
@@ -43,23 +47,44 @@ std::vector<float> random_floats(Rng& rng, size_t count) {
   return values;
 }
 
-enum class Path { Blas, SmallRows };
+// The bf16 value nearest each weight (what a bf16 checkpoint holds).
+void round_to_bf16(std::vector<float>& values) {
+  for (float& value : values) value = dspark::bf16_to_f32(dspark::f32_to_bf16(value));
+}
+
+enum class Path { Blas, SmallRows, SmallRowsBf16 };  // the last: the weights' bf16 bits
 enum class Layout { OutIn, InOut };
+
+std::string path_name(Path path) {
+  return path == Path::Blas ? "blas" : path == Path::SmallRows ? "small_rows" : "small_rows_bf16";
+}
 
 void run(benchmark::State& state, Path path, Layout layout, bool cold) {
   const int in = int(state.range(0)), out = int(state.range(1)), rows = int(state.range(2));
   Rng rng(7);
   const size_t weight_size = size_t(in) * out;
   const size_t copies = cold ? std::max<size_t>(1, kColdBytes / (weight_size * sizeof(float)) + 1) : 1;
-  const std::vector<float> weights = random_floats(rng, weight_size * copies);
+  std::vector<float> weights = random_floats(rng, weight_size * copies);
+  std::vector<uint16_t> weights_bf16;
+  if (path == Path::SmallRowsBf16) {
+    round_to_bf16(weights);
+    weights_bf16 = layout == Layout::OutIn ? dspark::cpu::pack_bf16_rows(weights.data(), out * int(copies), in)
+                                           : dspark::exact_bf16(weights.data(), weights.size());
+  }
   const std::vector<float> x = random_floats(rng, size_t(rows) * in);
   const std::vector<float> bias = random_floats(rng, out);
   std::vector<float> y(size_t(rows) * out);
   size_t copy = 0;
   for (auto _ : state) {
     const float* weight = weights.data() + copy * weight_size;
+    const uint16_t* weight_bf16 = weights_bf16.data() + copy * weight_size;
     if (++copy == copies) copy = 0;
-    if (layout == Layout::OutIn) {
+    if (path == Path::SmallRowsBf16) {
+      if (layout == Layout::OutIn)
+        dspark::cpu::matmul_forward_small_rows(y.data(), x.data(), weight_bf16, nullptr, rows, in, out);
+      else
+        dspark::cpu::matmul_in_out_forward_small_rows(y.data(), x.data(), weight_bf16, rows, in, out);
+    } else if (layout == Layout::OutIn) {
       if (path == Path::Blas)
         dspark::cpu::matmul_forward_blas(y.data(), x.data(), weight, nullptr, rows, in, out);
       else
@@ -73,7 +98,8 @@ void run(benchmark::State& state, Path path, Layout layout, bool cold) {
     benchmark::DoNotOptimize(y.data());
     benchmark::ClobberMemory();
   }
-  const double bytes = double(weight_size) * sizeof(float), flops = 2.0 * double(weight_size) * rows;
+  const double bytes = double(weight_size) * (path == Path::SmallRowsBf16 ? 2 : 4),
+               flops = 2.0 * double(weight_size) * rows;
   state.counters["weight_GBps"] =
       benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
   state.counters["GFLOPs"] =
@@ -95,6 +121,7 @@ void target_forward(benchmark::State& state, Path path) {
                                     {kHidden, kInner},  {kHidden, kInner}, {kInner, kHidden}};
   Rng rng(8);
   std::vector<std::vector<float>> weights;
+  std::vector<std::vector<uint16_t>> weights_bf16;
   std::vector<Shape> shapes;
   for (int l = 0; l < kLayers; ++l)
     for (const Shape& shape : layer) shapes.push_back(shape);
@@ -102,7 +129,11 @@ void target_forward(benchmark::State& state, Path path) {
   double bytes = 0, flops = 0;
   for (const Shape& shape : shapes) {
     weights.push_back(random_floats(rng, size_t(shape.in) * shape.out));
-    bytes += double(shape.in) * shape.out * sizeof(float);
+    if (path == Path::SmallRowsBf16) {
+      round_to_bf16(weights.back());
+      weights_bf16.push_back(dspark::cpu::pack_bf16_rows(weights.back().data(), shape.out, shape.in));
+    }
+    bytes += double(shape.in) * shape.out * (path == Path::SmallRowsBf16 ? 2 : 4);
     flops += 2.0 * shape.in * shape.out * rows;
   }
   const std::vector<float> x = random_floats(rng, size_t(rows) * kInner);
@@ -112,6 +143,9 @@ void target_forward(benchmark::State& state, Path path) {
       const Shape& shape = shapes[m];
       if (path == Path::Blas)
         dspark::cpu::matmul_forward_blas(y.data(), x.data(), weights[m].data(), nullptr, rows, shape.in, shape.out);
+      else if (path == Path::SmallRowsBf16)
+        dspark::cpu::matmul_forward_small_rows(y.data(), x.data(), weights_bf16[m].data(), nullptr, rows, shape.in,
+                                               shape.out);
       else
         dspark::cpu::matmul_forward_small_rows(y.data(), x.data(), weights[m].data(), nullptr, rows, shape.in,
                                                shape.out);
@@ -129,9 +163,8 @@ enum class Weights { Default, Hot, Cold };
 
 void register_all(Weights weights) {
   for (int row_count : {1, 2, 3, 4, 8, 16, 24, 32, 48, 64, 96, 128})
-    for (Path path : {Path::Blas, Path::SmallRows})
-      benchmark::RegisterBenchmark(path == Path::Blas ? "target_forward/blas" : "target_forward/small_rows",
-                                   target_forward, path)
+    for (Path path : {Path::Blas, Path::SmallRows, Path::SmallRowsBf16})
+      benchmark::RegisterBenchmark(("target_forward/" + path_name(path)).c_str(), target_forward, path)
           ->Arg(row_count)
           ->ArgName("rows")
           ->Unit(benchmark::kMicrosecond)
@@ -145,8 +178,8 @@ void register_all(Weights weights) {
                                                std::tuple{Layout::InOut, drafter, std::string("in_out")}})
     for (const Shape& shape : shapes)
       for (int row_count : rows)
-        for (Path path : {Path::Blas, Path::SmallRows}) {
-          const std::string name = prefix + (path == Path::Blas ? "/blas" : "/small_rows");
+        for (Path path : {Path::Blas, Path::SmallRows, Path::SmallRowsBf16}) {
+          const std::string name = prefix + "/" + path_name(path);
           const bool cold = weights == Weights::Default ? layout == Layout::OutIn : weights == Weights::Cold;
           benchmark::RegisterBenchmark(name.c_str(), run, path, layout, cold)
               ->Args({shape.in, shape.out, row_count})

@@ -279,6 +279,33 @@ TEST_P(Drafting, PruningKeepsANonEmptyPrefix) {
   EXPECT_EQ(draft_one(context, tokens_[8], per_position).tokens.size(), 3u);
 }
 
+// A draft of at most k tokens (DraftOptions::max_tokens) computes only the
+// first k positions' logits, and gives exactly the first k positions of the
+// full draft: tokens, confidences and logits, alone and batched.
+TEST_P(Drafting, ShorterDraftsArePrefixesOfTheFullDraft) {
+  DraftContext context, other;
+  extend_draft_context(drafter_, context, taps_.data(), 8);
+  extend_draft_context(drafter_, other, taps_.data(), 5);
+  const int gamma = drafter_.config.gamma;
+  const long V = golden_target().config.vocab_size;
+  DraftOptions options;
+  options.collect_logits = true;
+  const DraftResult full = draft_one(context, tokens_[8], options);
+  ASSERT_EQ(full.tokens.size(), size_t(gamma));
+  for (int k = 1; k < gamma; ++k) {
+    options.max_tokens = k;
+    const DraftRequest requests[] = {{&other, tokens_[5], nullptr}, {&context, tokens_[8], nullptr}};
+    DraftWorkspace workspace;
+    std::vector<DraftResult> results;
+    draft(drafter_, head_, requests, options, workspace, results);
+    for (const DraftResult& shorter : {draft_one(context, tokens_[8], options), results[1]}) {
+      EXPECT_EQ(shorter.tokens, std::vector<int32_t>(full.tokens.begin(), full.tokens.begin() + k)) << k;
+      EXPECT_EQ(shorter.confidence, std::vector<float>(full.confidence.begin(), full.confidence.begin() + k)) << k;
+      EXPECT_EQ(shorter.logits, std::vector<float>(full.logits.begin(), full.logits.begin() + k * V)) << k;
+    }
+  }
+}
+
 TEST_P(Drafting, BatchedRowsEqualSingleRows) {
   DraftContext short_context, long_context, empty_context;
   extend_draft_context(drafter_, short_context, taps_.data(), 2);

@@ -139,9 +139,11 @@ TEST_F(MatmulTest, DispatchMatchesReferenceAroundTheRowLimit) {
 }
 
 // A bf16 weight read as bf16 bits (half the bytes) gives exactly the bits of
-// the same weight widened to f32, in both layouts, on every instruction set
-// and shapes the tiles split differently; exact_bf16 takes a weight apart only
-// when it is bf16.
+// the same weight widened to f32, in both layouts (for [out, in], packed in
+// pairs by pack_bf16_rows: rows of whole 32-value blocks, a block and a
+// vector, a block and a scalar tail, and shorter rows), on every instruction
+// set and shapes the tiles split differently; exact_bf16 and pack_bf16_rows
+// take a weight apart only when it is bf16.
 TEST_F(MatmulTest, Bf16WeightsGiveTheBitsOfTheirF32Widening) {
   Rng rng(15);
   auto bf16_case = [&](int rows, int in, int out, bool with_bias) {
@@ -153,15 +155,18 @@ TEST_F(MatmulTest, Bf16WeightsGiveTheBitsOfTheirF32Widening) {
     cpu::set_matmul_isa(isa);
     SCOPED_TRACE(cpu::matmul_isa_name(isa));
     for (int rows : {1, 2, 3, 4, 5, 8, 9, 16, 17})
-      for (const auto& [in, out] : {std::pair{7, 5}, std::pair{17, 23}, std::pair{45, 70}, std::pair{389, 203}})
+      for (const auto& [in, out] : {std::pair{7, 5}, std::pair{17, 23}, std::pair{45, 70}, std::pair{48, 9},
+                                    std::pair{384, 37}, std::pair{389, 203}})
         for (bool with_bias : {false, true}) {
           const Case c = bf16_case(rows, in, out, with_bias);
           const std::vector<uint16_t> bits = exact_bf16(c.weight.data(), c.weight.size());
+          const std::vector<uint16_t> pairs = cpu::pack_bf16_rows(c.weight.data(), out, in);
           ASSERT_EQ(bits.size(), c.weight.size());
+          ASSERT_EQ(pairs.size(), c.weight.size());
           const float* bias = c.bias.empty() ? nullptr : c.bias.data();
           std::vector<float> widened(size_t(rows) * out, std::nanf("")), halves(widened.size(), std::nanf(""));
           cpu::matmul_forward_small_rows(widened.data(), c.x.data(), c.weight.data(), bias, rows, in, out);
-          cpu::matmul_forward(halves.data(), c.x.data(), c.weight.data(), bits.data(), bias, rows, in, out);
+          cpu::matmul_forward(halves.data(), c.x.data(), c.weight.data(), pairs.data(), bias, rows, in, out);
           EXPECT_EQ(halves, widened) << "[out, in] rows " << rows << " in " << in << " out " << out;
           if (with_bias) continue;  // the [in, out] forward has no bias; the same weight seen as [in, out]
           std::fill(widened.begin(), widened.end(), std::nanf(""));
@@ -174,6 +179,17 @@ TEST_F(MatmulTest, Bf16WeightsGiveTheBitsOfTheirF32Widening) {
   std::vector<float> not_bf16 = {1.0f, 1.0f + 1.0f / 1024.0f / 1024.0f};  // the second needs more than 8 bits
   EXPECT_TRUE(exact_bf16(not_bf16.data(), 2).empty());
   EXPECT_EQ(exact_bf16(not_bf16.data(), 1), std::vector<uint16_t>{0x3f80});
+  EXPECT_TRUE(cpu::pack_bf16_rows(not_bf16.data(), 1, 2).empty());
+  // The pairs' layout itself: value j of a block in word j's low half, 16 + j in its high half.
+  std::vector<float> ramp(33);
+  for (int i = 0; i < 33; ++i) ramp[i] = float(i);
+  const std::vector<uint16_t> packed = cpu::pack_bf16_rows(ramp.data(), 1, 33);
+  ASSERT_EQ(packed.size(), 33u);
+  EXPECT_EQ(packed[0], f32_to_bf16(0.0f));
+  EXPECT_EQ(packed[1], f32_to_bf16(16.0f));
+  EXPECT_EQ(packed[30], f32_to_bf16(15.0f));
+  EXPECT_EQ(packed[31], f32_to_bf16(31.0f));
+  EXPECT_EQ(packed[32], f32_to_bf16(32.0f));  // the tail stays in order
 }
 
 TEST_F(MatmulTest, ZeroRowsWriteNothing) {

@@ -3,6 +3,7 @@
 // rollback, batching, greedy continuations and perplexity.
 #include <gtest/gtest.h>
 
+#include "core/dtype.h"
 #include "core/file.h"
 #include "core/safetensors.h"
 #include "golden.h"
@@ -181,6 +182,45 @@ TEST_P(GoldenModel, GenerationStopsAtTheContextEnd) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, GoldenModel, ::testing::Values("qwen3", "llama"));
+
+// A model whose weights are bf16 values (a bf16 checkpoint) computes the
+// same bits whether its few-row products read the f32 tensors or the packed
+// bf16 copies (keep_bf16_weights): a prompt, decode steps and an 8-token
+// verify block.
+TEST(TransformerLoad, Bf16CopiesOfTheWeightsGiveTheSameLogits) {
+  Transformer model = load_transformer(golden_model("qwen3"));
+  ASSERT_TRUE(model.lm_head_bf16.empty()) << "the golden checkpoint is f32";
+  auto round_to_bf16 = [](Tensor& weight) {  // an owned copy: the loaded tensor maps the file read-only
+    Tensor rounded = Tensor::zeros(weight.shape);
+    for (long i = 0; i < weight.numel(); ++i) rounded.data[i] = bf16_to_f32(f32_to_bf16(weight.data[i]));
+    weight = rounded;
+  };
+  for (LayerWeights& layer : model.layers)
+    for (Tensor* weight : {&layer.q_proj, &layer.k_proj, &layer.v_proj, &layer.o_proj, &layer.gate_proj, &layer.up_proj,
+                           &layer.down_proj})
+      round_to_bf16(*weight);
+  round_to_bf16(model.embed_tokens);
+  model.lm_head = model.embed_tokens;  // tied
+  const std::vector<int32_t> prompt = {5, 99, 310, 42, 7, 1000, 64}, block = {3, 8, 12, 250, 9, 77, 31, 500};
+  auto logits = [&] {
+    KVCache cache(model.config, 64);
+    ForwardWorkspace workspace;
+    ForwardOutput output;
+    std::vector<float> all;
+    for (std::span<const int32_t> tokens :
+         {std::span(prompt), std::span(block).first(1), std::span(block).subspan(1)}) {
+      ForwardSequence sequence{&cache, tokens, true};
+      transformer_forward(model, {&sequence, 1}, {}, workspace, output);
+      all.insert(all.end(), output.logits.begin(), output.logits.end());
+    }
+    return all;
+  };
+  const std::vector<float> from_f32 = logits();
+  keep_bf16_weights(model);
+  ASSERT_FALSE(model.lm_head_bf16.empty());
+  ASSERT_FALSE(model.layers[0].bf16.gate_proj.empty());
+  EXPECT_EQ(logits(), from_f32);
+}
 
 TEST(TransformerLoad, TiedEmbeddingsShareTheHead) {
   const Transformer qwen = load_transformer(golden_model("qwen3"));

@@ -33,7 +33,6 @@ Transformer load_transformer(const std::filesystem::path& directory) {
   } else {
     model.lm_head = checkpoint.load("lm_head.weight", {V, H});
   }
-  model.lm_head_bf16 = exact_bf16(model.lm_head.data, model.lm_head.numel());
   for (int i = 0; i < c.num_layers; ++i) {
     const std::string prefix = "model.layers." + std::to_string(i) + ".";
     LayerWeights layer;
@@ -64,10 +63,28 @@ Transformer load_transformer(const std::filesystem::path& directory) {
     model.layers.push_back(std::move(layer));
   }
   model.rope_inverse_frequency = rope_inverse_frequencies(c);
+  keep_bf16_weights(model);
   return model;
 }
 
+void keep_bf16_weights(Transformer& model) {
+  auto bits = [](const Tensor& weight) {
+    return cpu::pack_bf16_rows(weight.data, int(weight.shape[0]), int(weight.shape[1]));
+  };
+  for (LayerWeights& layer : model.layers)
+    layer.bf16 = {bits(layer.q_proj),    bits(layer.k_proj),  bits(layer.v_proj),   bits(layer.o_proj),
+                  bits(layer.gate_proj), bits(layer.up_proj), bits(layer.down_proj)};
+  model.lm_head_bf16 = bits(model.lm_head);
+}
+
 namespace {
+
+// out [rows, out_features] = x @ weight^T + bias (bias may be empty), reading
+// the weight's packed bf16 bits (LayerWeights::bf16) where it has them.
+void project(float* out, const float* x, const Tensor& weight, const std::vector<uint16_t>& bf16, const Tensor& bias,
+             int rows, int in_features, int out_features) {
+  cpu::matmul_forward(out, x, weight.data, cpu::bf16_or_null(bf16), bias.data, rows, in_features, out_features);
+}
 
 // Copies the residual stream x [T, H] into tap slot `slot` of taps [T, m, H].
 void copy_tap(float* taps, const float* x, int rows, int hidden, int slot, int tap_count) {
@@ -135,9 +152,9 @@ void transformer_forward(const Transformer& model, std::span<const ForwardSequen
     const LayerWeights& w = model.layers[l];
     // Attention block: x += o(attention(rope(norm(q)), rope(norm(k)), v)) on norm(x)
     cpu::rmsnorm_forward(normed, x, w.input_norm.data, T, H, c.rms_norm_eps);
-    cpu::matmul_forward(q, normed, w.q_proj.data, w.q_bias.data, T, H, q_size);
-    cpu::matmul_forward(k, normed, w.k_proj.data, w.k_bias.data, T, H, kv_size);
-    cpu::matmul_forward(v, normed, w.v_proj.data, w.v_bias.data, T, H, kv_size);
+    project(q, normed, w.q_proj, w.bf16.q_proj, w.q_bias, T, H, q_size);
+    project(k, normed, w.k_proj, w.bf16.k_proj, w.k_bias, T, H, kv_size);
+    project(v, normed, w.v_proj, w.bf16.v_proj, w.v_bias, T, H, kv_size);
     if (c.qk_norm) {
       cpu::rmsnorm_forward(q, q, w.q_norm.data, T * nh, hd, c.rms_norm_eps);
       cpu::rmsnorm_forward(k, k, w.k_norm.data, T * nkv, hd, c.rms_norm_eps);
@@ -155,14 +172,14 @@ void transformer_forward(const Transformer& model, std::span<const ForwardSequen
                              count, start, nh, nkv, hd, scores);
       row += count;
     }
-    cpu::matmul_forward(projected, attention, w.o_proj.data, w.o_bias.data, T, q_size, H);
+    project(projected, attention, w.o_proj, w.bf16.o_proj, w.o_bias, T, q_size, H);
     cpu::residual_add(x, projected, long(T) * H);
     // MLP block: x += down(silu(gate(norm(x))) * up(norm(x)))
     cpu::rmsnorm_forward(normed, x, w.post_attention_norm.data, T, H, c.rms_norm_eps);
-    cpu::matmul_forward(gate, normed, w.gate_proj.data, w.gate_bias.data, T, H, F);
-    cpu::matmul_forward(up, normed, w.up_proj.data, w.up_bias.data, T, H, F);
+    project(gate, normed, w.gate_proj, w.bf16.gate_proj, w.gate_bias, T, H, F);
+    project(up, normed, w.up_proj, w.bf16.up_proj, w.up_bias, T, H, F);
     cpu::swiglu_forward(gate, gate, up, long(T) * F);
-    cpu::matmul_forward(projected, gate, w.down_proj.data, w.down_bias.data, T, F, H);
+    project(projected, gate, w.down_proj, w.bf16.down_proj, w.down_bias, T, F, H);
     cpu::residual_add(x, projected, long(T) * H);
     record_taps(l, x);
   }

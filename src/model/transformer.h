@@ -34,6 +34,13 @@ struct LayerWeights {
   Tensor gate_proj, up_proj;   // [F, H]
   Tensor down_proj;            // [H, F]
   Tensor gate_bias, up_bias, down_bias;   // when the config has MLP biases
+  // Each projection's bf16 bit patterns when every element is a bf16 value (a
+  // bf16 checkpoint; load_transformer fills them), else empty. Few-row
+  // products (decode, verify) read these: half the bytes, the same results
+  // bit for bit. Prefill's many-row products use the f32 tensors (OpenBLAS).
+  struct {
+    std::vector<uint16_t> q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;
+  } bf16;
 };
 
 struct Transformer {
@@ -42,15 +49,17 @@ struct Transformer {
   std::vector<LayerWeights> layers;  // L
   Tensor final_norm;                 // [H]
   Tensor lm_head;                    // [V, H]; the embedding itself when tied
-  // [V, H] lm_head's bf16 bit patterns when every element is a bf16 value (a
-  // bf16 checkpoint; load_transformer fills it), else empty. Few-row products
-  // read these: half the bytes, the same results bit for bit.
-  std::vector<uint16_t> lm_head_bf16;
+  std::vector<uint16_t> lm_head_bf16;          // [V, H] as LayerWeights::bf16
   std::vector<double> rope_inverse_frequency;  // [hd/2]
 };
 
 // Loads config.json and the safetensors weights of an HF checkpoint directory.
 Transformer load_transformer(const std::filesystem::path& directory);
+
+// Fills the bf16 bit patterns (LayerWeights::bf16, lm_head_bf16) of every
+// projection whose elements are all bf16 values, empties the others'.
+// load_transformer calls it; call it again after changing the weights.
+void keep_bf16_weights(Transformer& model);
 
 // One sequence's part of a batched forward.
 struct ForwardSequence {

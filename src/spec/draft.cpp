@@ -26,9 +26,11 @@ void product(const Drafter& drafter, const std::string& name, float* out, const 
 }
 
 // The parallel backbone for B rows: work.hidden [B*γ, d] = h, work.base_logits
-// [B*γ, V] = U. Row b's block attends to its retained context and to itself.
+// [B*P, V] = U of each block's first P = `head_positions` rows (a draft of at
+// most P tokens reads no other; the LM head is most of a CPU draft's
+// arithmetic). Row b's block attends to its retained context and to itself.
 void backbone_forward(const Drafter& drafter, const TargetHead& head, std::span<const DraftContext* const> contexts,
-                      std::span<const int32_t> anchors, DraftWorkspace& work) {
+                      std::span<const int32_t> anchors, int head_positions, DraftWorkspace& work) {
   const DrafterConfig& c = drafter.config;
   const int B = static_cast<int>(anchors.size()), gamma = c.gamma, d = c.d_draft, inner = c.ff_mult * d;
   const int H = drafter.dims.hidden_size, V = drafter.dims.vocab_size, rows = B * gamma;
@@ -93,10 +95,17 @@ void backbone_forward(const Drafter& drafter, const TargetHead& head, std::span<
   }
   // h = rms(Hd, out_norm); U = (h @ out_proj) through the target's own LM head.
   cpu::rmsnorm_forward(hidden, block, drafter["out_norm"], rows, d, eps);
-  float* head_input = grow(work.head_input, size_t(rows) * H);
-  product(drafter, "out_proj", head_input, hidden, rows, d, H);
-  cpu::matmul_forward(grow(work.base_logits, size_t(rows) * V), head_input, head.lm_head, head.lm_head_bf16, nullptr,
-                      rows, H, V);
+  const float* head_hidden = hidden;
+  if (head_positions < gamma) {  // each block's first head_positions rows, gathered
+    for (int b = 0; b < B; ++b)
+      std::copy_n(hidden + long(b) * gamma * d, long(head_positions) * d, normed + long(b) * head_positions * d);
+    head_hidden = normed;
+  }
+  const int head_rows = B * head_positions;
+  float* head_input = grow(work.head_input, size_t(head_rows) * H);
+  product(drafter, "out_proj", head_input, head_hidden, head_rows, d, H);
+  cpu::matmul_forward(grow(work.base_logits, size_t(head_rows) * V), head_input, head.lm_head, head.lm_head_bf16,
+                      nullptr, head_rows, H, V);
 }
 
 // The sequential head and the confidence head, walked position by position
@@ -191,7 +200,7 @@ TargetHeadWeights load_target_head(const std::filesystem::path& target_directory
   TargetHeadWeights weights;
   weights.embedding = checkpoint.load("model.embed_tokens.weight", shape);
   weights.lm_head = config.tie_word_embeddings ? weights.embedding : checkpoint.load("lm_head.weight", shape);
-  weights.lm_head_bf16 = exact_bf16(weights.lm_head.data, weights.lm_head.numel());
+  weights.lm_head_bf16 = cpu::pack_bf16_rows(weights.lm_head.data, config.vocab_size, config.hidden_size);
   return weights;
 }
 
@@ -283,7 +292,7 @@ void draft(const Drafter& drafter, const TargetHead& head, std::span<const Draft
     contexts.push_back(request.context);
     anchors.push_back(request.anchor);
   }
-  backbone_forward(drafter, head, contexts, anchors, work);
+  backbone_forward(drafter, head, contexts, anchors, limit, work);
 
   results.assign(requests.size(), DraftResult{});
   SequentialHead sequential(drafter);
@@ -293,14 +302,13 @@ void draft(const Drafter& drafter, const TargetHead& head, std::span<const Draft
     sequential.reset();
     int32_t previous = requests[b].anchor;
     for (int position = 0; position < limit; ++position) {
-      const long row = long(b) * gamma + position;
-      const float* hidden = work.hidden.data() + row * d;
+      const float* hidden = work.hidden.data() + (long(b) * gamma + position) * d;
       const float* e = sequential.embedding(previous);
       const float confidence = sequential.confidence(position, hidden, e);
       const bool below = (!thresholds.empty() && confidence < thresholds[position]) ||
                          confidence < options.min_confidence;
       if (position >= 1 && below) break;  // pruned here; position 0 is always kept
-      std::copy_n(work.base_logits.data() + row * V, V, logits.data());
+      std::copy_n(work.base_logits.data() + (long(b) * limit + position) * V, V, logits.data());
       sequential.step(e, hidden, logits.data());
       int32_t token;
       if (options.sampling.greedy()) {
@@ -328,7 +336,7 @@ DraftForward draft_teacher_forced(const Drafter& drafter, const TargetHead& head
   DraftWorkspace work;
   const DraftContext* contexts[] = {&context};
   const int32_t anchors[] = {anchor};
-  backbone_forward(drafter, head, contexts, anchors, work);
+  backbone_forward(drafter, head, contexts, anchors, gamma, work);
   DraftForward forward;
   forward.hidden.assign(work.hidden.begin(), work.hidden.begin() + long(gamma) * d);
   forward.base_logits.assign(work.base_logits.begin(), work.base_logits.begin() + long(gamma) * V);

@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <type_traits>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -120,6 +121,23 @@ struct Prefetcher {
 // instead of about the larger of the two (384 x 8192 at 16 rows, one core:
 // 2.7 -> 1.5-1.7 ms; docs/PERF.md).
 
+// sums[f][r] += w[f] * x[r, i..i+W) for one vector step at `i`, after
+// requesting the next stretch of the following tile (Prefetch).
+template <int W, int Features, int Rows, bool Prefetch, class V>
+[[gnu::always_inline]] inline void dot_step(V (&sums)[Features * Rows], const V (&w)[Features], const float* x, int in,
+                                            int i, Prefetcher& prefetcher) {
+  if constexpr (Prefetch) {
+    for (int line = 0; line < prefetcher.lines; ++line) __builtin_prefetch(prefetcher.cursor + 64 * line, 0, 2);
+    prefetcher.cursor += prefetcher.step;
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r) {
+    const V activation = load<V>(x + long(r) * in + i);
+#pragma GCC unroll 16
+    for (int f = 0; f < Features; ++f) sums[f * Rows + r] += w[f] * activation;
+  }
+}
+
 template <int W, int Features, int Rows, bool Prefetch = false, class Weight>
 [[gnu::always_inline]] inline void dot_tile(const DotProblem<Weight>& p, int feature, int row, Prefetcher& prefetcher) {
   using V = typename Floats<W>::Vector;
@@ -129,20 +147,22 @@ template <int W, int Features, int Rows, bool Prefetch = false, class Weight>
   V sums[Features * Rows];  // [feature][row]
 #pragma GCC unroll 64
   for (int k = 0; k < Features * Rows; ++k) sums[k] = V{};
-  for (int i = 0; i < vector_end; i += W) {
+  int i = 0;
+  if constexpr (std::is_same_v<Weight, uint16_t>) {  // bf16 rows packed in blocks of 32 (pack_bf16_rows)
+    for (; i + 32 <= in; i += 32)
+#pragma GCC unroll 4
+      for (int chunk = 0; chunk < 32 / W; ++chunk) {
+        V w[Features];
+#pragma GCC unroll 16
+        for (int f = 0; f < Features; ++f) w[f] = simd::load_paired<V>(weight + long(f) * in + i, chunk);
+        dot_step<W, Features, Rows, Prefetch>(sums, w, x, in, i + chunk * W, prefetcher);
+      }
+  }
+  for (; i < vector_end; i += W) {
     V w[Features];
 #pragma GCC unroll 16
     for (int f = 0; f < Features; ++f) w[f] = load<V>(weight + long(f) * in + i);
-    if constexpr (Prefetch) {
-      for (int line = 0; line < prefetcher.lines; ++line) __builtin_prefetch(prefetcher.cursor + 64 * line, 0, 2);
-      prefetcher.cursor += prefetcher.step;
-    }
-#pragma GCC unroll 16
-    for (int r = 0; r < Rows; ++r) {
-      const V activation = load<V>(x + long(r) * in + i);
-#pragma GCC unroll 16
-      for (int f = 0; f < Features; ++f) sums[f * Rows + r] += w[f] * activation;
-    }
+    dot_step<W, Features, Rows, Prefetch>(sums, w, x, in, i, prefetcher);
   }
   float totals[Features * Rows];
   sum_lanes<W, 0>(sums, totals);
@@ -418,6 +438,24 @@ void dot_forward(float* out, const float* x, const Weight* weight, const float* 
   const int chunks = (out_features + problem.chunk_features - 1) / problem.chunk_features;
   parallel_run(for_matmul_isa(dot_chunk_avx512<Weight>, dot_chunk_avx2<Weight>, dot_chunk_baseline<Weight>), &problem,
                chunks);
+}
+
+std::vector<uint16_t> pack_bf16_rows(const float* weight, int out_features, int in_features) {
+  std::vector<uint16_t> bits = exact_bf16(weight, size_t(out_features) * in_features);
+  if (bits.empty()) return bits;
+  std::vector<uint16_t> packed(bits.size());
+  for (long row = 0; row < out_features; ++row) {
+    const uint16_t* source = bits.data() + row * in_features;
+    uint16_t* destination = packed.data() + row * in_features;
+    int i = 0;
+    for (; i + 32 <= in_features; i += 32)
+      for (int j = 0; j < 16; ++j) {  // word j: value j in the low half, 16 + j in the high (little-endian)
+        destination[i + 2 * j] = source[i + j];
+        destination[i + 2 * j + 1] = source[i + 16 + j];
+      }
+    std::copy(source + i, source + in_features, destination + i);
+  }
+  return packed;
 }
 
 void matmul_forward_small_rows(float* out, const float* x, const float* weight, const float* bias, int rows,

@@ -26,12 +26,22 @@ inline constexpr int kSmallRowsMax = 64;
 void matmul_forward(float* out, const float* x, const float* weight, const float* bias, int rows, int in_features,
                     int out_features);
 
-// The same, given also weight_bf16: the same weight's bf16 bit patterns when
-// every element of it is a bf16 value (exact_bf16, core/dtype.h), or null. The
-// small-row kernel then reads those, half the bytes, and widens them exactly
-// as it goes: the results are bit for bit those of the f32 weight.
+// The same, given also weight_bf16: the same weight's bf16 bit patterns as
+// pack_bf16_rows lays them out, or null. The small-row kernel then reads
+// those, half the bytes, and widens them exactly as it goes: the results are
+// bit for bit those of the f32 weight.
 void matmul_forward(float* out, const float* x, const float* weight, const uint16_t* weight_bf16, const float* bias,
                     int rows, int in_features, int out_features);
+
+// An [out, in] weight's bf16 bit patterns laid out for matmul_forward's
+// weight_bf16 when every element is a bf16 value (core/dtype.h, exact_bf16),
+// else empty. In each row every block of 32 values is stored in pairs, 32-bit
+// word j holding value j in its low half and value 16 + j in its high half, so
+// that one vector of words gives two vectors of floats by a shift and a mask
+// (8 rows of the demo target's 384 -> 1408, compute-bound with bf16 weights,
+// ran 141 GFLOP/s from 16-bit lanes and 157 from pairs, as fast as from f32;
+// docs/PERF.md). A row's last in % 32 values stay in order.
+std::vector<uint16_t> pack_bf16_rows(const float* weight, int out_features, int in_features);
 
 // What matmul_forward takes for weight_bf16: the bits, or null for none.
 inline const uint16_t* bf16_or_null(const std::vector<uint16_t>& bits) { return bits.empty() ? nullptr : bits.data(); }
