@@ -262,10 +262,18 @@ struct AxpyProblem {
   int chunk_columns;  // output columns per chunk of the pool
 };
 
+// How many weight rows ahead axpy_tile requests its panel's stretch (Rows >=
+// 4): a cold panel is `in` separate stretches of Vectors * W columns, one per
+// weight row, and at 7-8 activation rows the hardware prefetcher left the
+// tile waiting on memory. Measured cold (`dspark_matmul_benchmark --cold`,
+// bf16, 8 rows, medians): 256 x 512 50 -> 23 us, 256 x 384 40 -> 18, 1536 x
+// 256 99 -> 67; hot unchanged. At 1-2 rows it made small products slower
+// (256 x 256: 6.5 -> 8 us), so it is off there. (Prefetching the next column
+// panel instead, as dot_tile does the next tile, measured no faster.)
+constexpr int kAxpyPrefetchRows = 12;
+
 // out[r, c] = Σ_i x[r, i] weight[i, c] for Vectors * W columns from `column`
-// and Rows activation rows from `row`. (Prefetching the next column panel, as
-// dot_tile does the next tile, measured no faster here: the panel's rows are
-// separate streams the hardware prefetcher already follows.)
+// and Rows activation rows from `row`.
 template <int W, int Vectors, int Rows, class Weight>
 [[gnu::always_inline]] inline void axpy_tile(const AxpyProblem<Weight>& p, int column, int row) {
   using V = typename Floats<W>::Vector;
@@ -278,7 +286,14 @@ template <int W, int Vectors, int Rows, class Weight>
   for (int r = 0; r < Rows; ++r)
 #pragma GCC unroll 64
     for (int v = 0; v < Vectors; ++v) sums[r][v] = V{};
+  constexpr int kLines = int(Vectors * W * sizeof(Weight) + 63) / 64 + 1;  // + 1: the stretch may straddle a line
   for (int i = 0; i < in; ++i) {
+    if constexpr (Rows >= 4)
+      if (i + kAxpyPrefetchRows < in) {
+        const char* ahead = reinterpret_cast<const char*>(weight + (i + kAxpyPrefetchRows) * stride);
+#pragma GCC unroll 8
+        for (int line = 0; line < kLines; ++line) __builtin_prefetch(ahead + 64 * line, 0, 3);
+      }
     V w[Vectors];
 #pragma GCC unroll 16
     for (int v = 0; v < Vectors; ++v) w[v] = load<V>(weight + i * stride + v * W);
