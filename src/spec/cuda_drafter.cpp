@@ -325,10 +325,10 @@ void CudaDrafter::flush_contexts_of(std::span<const CudaDraftRequest> requests) 
   long staged = 0;
   for (const auto& [id, c] : contexts_) staged += c.staged_rows();
   const bool all = requests.empty() || staged * width_ * long(sizeof(bf16)) > kMaxStagedBytes;
-  auto flushed = [&](int id) {
-    return all || std::any_of(requests.begin(), requests.end(),
-                              [id](const CudaDraftRequest& request) { return request.context == id; });
-  };
+  flushed_ids_.clear();  // sorted, for a lookup per context rather than a scan of the requests
+  for (const CudaDraftRequest& request : requests) flushed_ids_.push_back(request.context);
+  std::sort(flushed_ids_.begin(), flushed_ids_.end());
+  auto flushed = [&](int id) { return all || std::binary_search(flushed_ids_.begin(), flushed_ids_.end(), id); };
   struct Row {
     Context* context;
     int position;

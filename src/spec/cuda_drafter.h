@@ -207,6 +207,7 @@ class CudaDrafter {
   // rows of device_staged_): one gather-convert launch for all of them.
   std::vector<const float*> pending_sources_;
   cuda::DeviceBuffer<const float*> pending_table_;
+  std::vector<int> flushed_ids_;  // flush_contexts_of's requests' contexts, sorted (kept to reuse its storage)
 
   // The draft step, sized for max_rows_ rows (γ * max_rows_ block rows).
   int max_rows_ = 0;

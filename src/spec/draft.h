@@ -28,7 +28,7 @@ namespace dspark {
 struct TargetHead {
   const float* embedding = nullptr;        // [V, H] the raw input embedding (no scaling)
   const float* lm_head = nullptr;          // [V, H] the output head; the embedding itself when tied
-  const uint16_t* lm_head_bf16 = nullptr;  // [V, H] its bf16 bits when it is exactly bf16, or null
+  const uint16_t* lm_head_bf16 = nullptr;  // [V, H] its bf16 bits (cpu::pack_bf16_rows) when exactly bf16, or null
 };
 
 TargetHead target_head_of(const Transformer& model);
