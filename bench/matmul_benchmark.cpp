@@ -13,7 +13,7 @@
 // small_rows_bf16 runs the small-row kernel on the weights' bf16 bits (the
 // values rounded to bf16 first; [out, in] in pack_bf16_rows' pairs), as the
 // models' bf16 checkpoints are read.
-// --isa=avx2 (or baseline) runs the small-row kernel's narrower builds.
+// --isa=avx512 (or avx2, baseline) runs the small-row kernel's narrower builds.
 // --hot runs every shape hot (to see the kernels' arithmetic apart from
 // memory), --cold every shape cold.
 //
@@ -202,13 +202,14 @@ int main(int argc, char** argv) {
       weights = Weights::Cold;
     } else if (argument.rfind("--isa=", 0) == 0) {
       bool known = false;
-      for (auto isa : {dspark::cpu::MatmulIsa::Baseline, dspark::cpu::MatmulIsa::Avx2, dspark::cpu::MatmulIsa::Avx512})
+      for (auto isa : {dspark::cpu::MatmulIsa::Baseline, dspark::cpu::MatmulIsa::Avx2, dspark::cpu::MatmulIsa::Avx512,
+                       dspark::cpu::MatmulIsa::Avx512Bf16})
         if (argument.substr(6) == dspark::cpu::matmul_isa_name(isa)) {
           dspark::cpu::set_matmul_isa(isa);
           known = true;
         }
       if (!known) {
-        std::fprintf(stderr, "unknown %s (avx512, avx2 or baseline)\n", argument.c_str());
+        std::fprintf(stderr, "unknown %s (avx512-bf16, avx512, avx2 or baseline)\n", argument.c_str());
         return 1;
       }
     } else {

@@ -19,7 +19,8 @@ class IsaTest : public ::testing::Test {
   }
   std::vector<cpu::MatmulIsa> supported() const {
     std::vector<cpu::MatmulIsa> isas;
-    for (cpu::MatmulIsa isa : {cpu::MatmulIsa::Baseline, cpu::MatmulIsa::Avx2, cpu::MatmulIsa::Avx512})
+    for (cpu::MatmulIsa isa :
+         {cpu::MatmulIsa::Baseline, cpu::MatmulIsa::Avx2, cpu::MatmulIsa::Avx512, cpu::MatmulIsa::Avx512Bf16})
       if (cpu::matmul_isa_supported(isa)) isas.push_back(isa);
     return isas;
   }

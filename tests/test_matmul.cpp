@@ -5,6 +5,7 @@
 // instruction set this CPU supports, and from two threads at once.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <thread>
@@ -138,12 +139,15 @@ TEST_F(MatmulTest, DispatchMatchesReferenceAroundTheRowLimit) {
     }
 }
 
-// A bf16 weight read as bf16 bits (half the bytes) gives exactly the bits of
-// the same weight widened to f32, in both layouts (for [out, in], packed in
-// pairs by pack_bf16_rows: rows of whole 32-value blocks, a block and a
-// vector, a block and a scalar tail, and shorter rows), on every instruction
-// set and shapes the tiles split differently; exact_bf16 and pack_bf16_rows
-// take a weight apart only when it is bf16.
+// A bf16 weight read as bf16 bits (half the bytes). [out, in], packed in pairs
+// by pack_bf16_rows: a product of bf16 values, bit for bit the f32 widening
+// of the weight applied to the activations rounded to bf16 (on AVX-512 BF16
+// by its dot-product instruction, against AVX-512's f32 kernel), and above
+// the small-row limit sgemm's on the same rounded activations. [in, out]:
+// exactly the f32 widening's bits on the unrounded activations. Rows of whole
+// 32-value blocks, a block and a vector, a block and a scalar tail, and
+// shorter rows; row counts the tiles split differently; every instruction
+// set. exact_bf16 and pack_bf16_rows take a weight apart only when it is bf16.
 TEST_F(MatmulTest, Bf16WeightsGiveTheBitsOfTheirF32Widening) {
   Rng rng(15);
   auto bf16_case = [&](int rows, int in, int out, bool with_bias) {
@@ -151,10 +155,14 @@ TEST_F(MatmulTest, Bf16WeightsGiveTheBitsOfTheirF32Widening) {
     for (float& w : c.weight) w = bf16_to_f32(f32_to_bf16(w));
     return c;
   };
+  auto rounded = [](std::vector<float> values) {
+    for (float& value : values) value = bf16_to_f32(f32_to_bf16(value));
+    return values;
+  };
   for (MatmulIsa isa : supported()) {
     cpu::set_matmul_isa(isa);
     SCOPED_TRACE(cpu::matmul_isa_name(isa));
-    for (int rows : {1, 2, 3, 4, 5, 8, 9, 16, 17})
+    for (int rows : {1, 2, 3, 4, 5, 8, 9, 16, 17, cpu::kSmallRowsMax + 1})
       for (const auto& [in, out] : {std::pair{7, 5}, std::pair{17, 23}, std::pair{45, 70}, std::pair{48, 9},
                                     std::pair{384, 37}, std::pair{389, 203}})
         for (bool with_bias : {false, true}) {
@@ -164,11 +172,15 @@ TEST_F(MatmulTest, Bf16WeightsGiveTheBitsOfTheirF32Widening) {
           ASSERT_EQ(bits.size(), c.weight.size());
           ASSERT_EQ(pairs.size(), c.weight.size());
           const float* bias = c.bias.empty() ? nullptr : c.bias.data();
+          const std::vector<float> x_bf16 = rounded(c.x);
           std::vector<float> widened(size_t(rows) * out, std::nanf("")), halves(widened.size(), std::nanf(""));
-          cpu::matmul_forward_small_rows(widened.data(), c.x.data(), c.weight.data(), bias, rows, in, out);
+          if (rows <= cpu::kSmallRowsMax)
+            cpu::matmul_forward_small_rows(widened.data(), x_bf16.data(), c.weight.data(), bias, rows, in, out);
+          else
+            cpu::matmul_forward_blas(widened.data(), x_bf16.data(), c.weight.data(), bias, rows, in, out);
           cpu::matmul_forward(halves.data(), c.x.data(), c.weight.data(), pairs.data(), bias, rows, in, out);
           EXPECT_EQ(halves, widened) << "[out, in] rows " << rows << " in " << in << " out " << out;
-          if (with_bias) continue;  // the [in, out] forward has no bias; the same weight seen as [in, out]
+          if (with_bias || rows > cpu::kSmallRowsMax) continue;  // [in, out] has no bias; the weight seen as [in, out]
           std::fill(widened.begin(), widened.end(), std::nanf(""));
           std::fill(halves.begin(), halves.end(), std::nanf(""));
           cpu::matmul_in_out_forward_small_rows(widened.data(), c.x.data(), c.weight.data(), rows, in, out);
@@ -180,16 +192,42 @@ TEST_F(MatmulTest, Bf16WeightsGiveTheBitsOfTheirF32Widening) {
   EXPECT_TRUE(exact_bf16(not_bf16.data(), 2).empty());
   EXPECT_EQ(exact_bf16(not_bf16.data(), 1), std::vector<uint16_t>{0x3f80});
   EXPECT_TRUE(cpu::pack_bf16_rows(not_bf16.data(), 1, 2).empty());
-  // The pairs' layout itself: value j of a block in word j's low half, 16 + j in its high half.
+  // The pairs' layout itself: value j of a block in word j's high half, 16 + j in its low half.
   std::vector<float> ramp(33);
   for (int i = 0; i < 33; ++i) ramp[i] = float(i);
   const std::vector<uint16_t> packed = cpu::pack_bf16_rows(ramp.data(), 1, 33);
   ASSERT_EQ(packed.size(), 33u);
-  EXPECT_EQ(packed[0], f32_to_bf16(0.0f));
-  EXPECT_EQ(packed[1], f32_to_bf16(16.0f));
-  EXPECT_EQ(packed[30], f32_to_bf16(15.0f));
-  EXPECT_EQ(packed[31], f32_to_bf16(31.0f));
+  EXPECT_EQ(packed[0], f32_to_bf16(16.0f));
+  EXPECT_EQ(packed[1], f32_to_bf16(0.0f));
+  EXPECT_EQ(packed[30], f32_to_bf16(31.0f));
+  EXPECT_EQ(packed[31], f32_to_bf16(15.0f));
   EXPECT_EQ(packed[32], f32_to_bf16(32.0f));  // the tail stays in order
+}
+
+// The bf16 product is the product of the rounded values: against the
+// double-precision reference on rounded activations, and (AVX-512 BF16) a
+// row gives the same bits alone as among 64, so a verify row equals the same
+// token decoded alone.
+TEST_F(MatmulTest, Bf16ProductsMatchTheReferenceAndDoNotDependOnTheRowCount) {
+  Rng rng(16);
+  for (MatmulIsa isa : supported()) {
+    cpu::set_matmul_isa(isa);
+    SCOPED_TRACE(cpu::matmul_isa_name(isa));
+    Case c = make_case(rng, cpu::kSmallRowsMax, 389, 203, true);
+    for (float& w : c.weight) w = bf16_to_f32(f32_to_bf16(w));
+    const std::vector<uint16_t> pairs = cpu::pack_bf16_rows(c.weight.data(), c.out, c.in);
+    std::vector<float> all(size_t(c.rows) * c.out, std::nanf(""));
+    cpu::matmul_forward(all.data(), c.x.data(), c.weight.data(), pairs.data(), c.bias.data(), c.rows, c.in, c.out);
+    Case reference = c;
+    for (float& value : reference.x) value = bf16_to_f32(f32_to_bf16(value));
+    expect_matches_reference(reference, Layout::OutIn, all, "bf16 matmul_forward");
+    for (int row : {0, 7, cpu::kSmallRowsMax - 1}) {
+      std::vector<float> alone(c.out, std::nanf(""));
+      cpu::matmul_forward(alone.data(), c.x.data() + size_t(row) * c.in, c.weight.data(), pairs.data(), c.bias.data(),
+                          1, c.in, c.out);
+      EXPECT_TRUE(std::equal(alone.begin(), alone.end(), all.begin() + size_t(row) * c.out)) << "row " << row;
+    }
+  }
 }
 
 TEST_F(MatmulTest, ZeroRowsWriteNothing) {

@@ -33,6 +33,7 @@
 #include "kernels/cpu/matmul.h"
 
 #include <cblas.h>
+#include <immintrin.h>  // __builtin_ia32_dpbf16ps_v16sf (AVX-512 BF16)
 
 #include <algorithm>
 #include <atomic>
@@ -98,6 +99,9 @@ struct DotProblem {
   const float* bias;
   int rows, in, out_features;
   int chunk_features;  // output features per chunk of the pool
+  // bf16 weights on a CPU with AVX-512 BF16: the activations (already rounded
+  // to bf16 in x) as bf16 bits in the weight's pairs (pack_bf16_rows), or null.
+  const uint16_t* x_pairs = nullptr;
 };
 
 [[gnu::always_inline]] inline float widen(float value) { return value; }
@@ -121,15 +125,21 @@ struct Prefetcher {
 // instead of about the larger of the two (384 x 8192 at 16 rows, one core:
 // 2.7 -> 1.5-1.7 ms; docs/PERF.md).
 
+// Requests the next stretch of the following tile (Prefetch).
+template <bool Prefetch>
+[[gnu::always_inline]] inline void prefetch_next(Prefetcher& prefetcher) {
+  if constexpr (Prefetch) {
+    for (int line = 0; line < prefetcher.lines; ++line) __builtin_prefetch(prefetcher.cursor + 64 * line, 0, 2);
+    prefetcher.cursor += prefetcher.step;
+  }
+}
+
 // sums[f][r] += w[f] * x[r, i..i+W) for one vector step at `i`, after
 // requesting the next stretch of the following tile (Prefetch).
 template <int W, int Features, int Rows, bool Prefetch, class V>
 [[gnu::always_inline]] inline void dot_step(V (&sums)[Features * Rows], const V (&w)[Features], const float* x, int in,
                                             int i, Prefetcher& prefetcher) {
-  if constexpr (Prefetch) {
-    for (int line = 0; line < prefetcher.lines; ++line) __builtin_prefetch(prefetcher.cursor + 64 * line, 0, 2);
-    prefetcher.cursor += prefetcher.step;
-  }
+  prefetch_next<Prefetch>(prefetcher);
 #pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r) {
     const V activation = load<V>(x + long(r) * in + i);
@@ -138,8 +148,64 @@ template <int W, int Features, int Rows, bool Prefetch, class V>
   }
 }
 
-template <int W, int Features, int Rows, bool Prefetch = false, class Weight>
-[[gnu::always_inline]] inline void dot_tile(const DotProblem<Weight>& p, int feature, int row, Prefetcher& prefetcher) {
+// dot_tile for bf16 weights and activations on AVX-512 BF16: one vdpbf16ps
+// multiplies a block's 32 weights with 32 activations, where the widening
+// path takes two FMAs and two widenings, and a product of two bf16 is exact
+// in f32. Lane j adds the pair's high half (value j) first, then its low half
+// (value 16 + j): exactly what the widening path does in its two 16-lane
+// chunks, so the sums are bit for bit the widening path's on the same
+// bf16-rounded activations (a bf16 denormal, below 1.2e-38, the instruction
+// reads as zero: activations of a normed stream are never that small).
+template <int Features, int Rows, bool Prefetch>
+[[gnu::always_inline]] inline void dot_tile_bf16_products(const DotProblem<uint16_t>& p, int feature, int row,
+                                                          Prefetcher& prefetcher) {
+  using V = typename Floats<16>::Vector;
+  typedef short Pairs __attribute__((vector_size(64)));  // 32 bf16 in 16 words
+  const int in = p.in;
+  const uint16_t* x = p.x_pairs + long(row) * in;
+  const uint16_t* weight = p.weight + long(feature) * in;
+  V sums[Features * Rows];  // [feature][row]
+#pragma GCC unroll 64
+  for (int k = 0; k < Features * Rows; ++k) sums[k] = V{};
+  int i = 0;
+  for (; i + 32 <= in; i += 32) {
+    prefetch_next<Prefetch>(prefetcher);  // twice: the pace of two 16-value steps
+    prefetch_next<Prefetch>(prefetcher);
+    Pairs w[Features];
+#pragma GCC unroll 16
+    for (int f = 0; f < Features; ++f) std::memcpy(&w[f], weight + long(f) * in + i, sizeof(Pairs));
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+      Pairs activation;
+      std::memcpy(&activation, x + long(r) * in + i, sizeof activation);
+#pragma GCC unroll 16
+      for (int f = 0; f < Features; ++f)
+        sums[f * Rows + r] = __builtin_ia32_dpbf16ps_v16sf(sums[f * Rows + r], activation, w[f]);
+    }
+  }
+  for (; i + 16 <= in; i += 16) {  // the row's tail is in order: 16 values a vector, widened
+    prefetch_next<Prefetch>(prefetcher);
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+      const V activation = load<V>(x + long(r) * in + i);
+#pragma GCC unroll 16
+      for (int f = 0; f < Features; ++f) sums[f * Rows + r] += load<V>(weight + long(f) * in + i) * activation;
+    }
+  }
+  float totals[Features * Rows];
+  sum_lanes<16, 0>(sums, totals);
+  for (int f = 0; f < Features; ++f)
+    for (int r = 0; r < Rows; ++r) {
+      float sum = totals[f * Rows + r];
+      for (int j = i; j < in; ++j) sum += bf16_to_f32(x[long(r) * in + j]) * bf16_to_f32(weight[long(f) * in + j]);
+      if (p.bias) sum += p.bias[feature + f];
+      p.out[long(row + r) * p.out_features + feature + f] = sum;
+    }
+}
+
+template <int W, int Features, int Rows, bool Prefetch, class Weight>
+[[gnu::always_inline]] inline void dot_tile_widening(const DotProblem<Weight>& p, int feature, int row,
+                                                     Prefetcher& prefetcher) {
   using V = typename Floats<W>::Vector;
   const int in = p.in, vector_end = in - in % W;
   const float* x = p.x + long(row) * in;
@@ -175,10 +241,20 @@ template <int W, int Features, int Rows, bool Prefetch = false, class Weight>
     }
 }
 
+// Bf16Products: the AVX-512 BF16 tile (W 16, uint16_t weights), else the
+// widening one.
+template <int W, int Features, int Rows, bool Prefetch, bool Bf16Products, class Weight>
+[[gnu::always_inline]] inline void dot_tile(const DotProblem<Weight>& p, int feature, int row, Prefetcher& prefetcher) {
+  if constexpr (Bf16Products)
+    dot_tile_bf16_products<Features, Rows, Prefetch>(p, feature, row, prefetcher);
+  else
+    dot_tile_widening<W, Features, Rows, Prefetch>(p, feature, row, prefetcher);
+}
+
 // Weight rows [begin, end) against all activation rows, in row blocks of Rows
 // or Rows - 1 (balanced); each weight tile is reused across the row blocks
 // while it is in L1.
-template <int W, int Registers, int Rows, class Weight>
+template <int W, int Registers, int Rows, bool Bf16Products, class Weight>
 [[gnu::always_inline]] inline void dot_features(const DotProblem<Weight>& p, int begin, int end, int blocks) {
   constexpr int kFeatures = dot_features_for(Registers, Rows);
   constexpr int kFewer = Rows > 1 ? Rows - 1 : 1;
@@ -193,14 +269,14 @@ template <int W, int Registers, int Rows, class Weight>
       const int count = (p.rows - row) / (blocks - block) + ((p.rows - row) % (blocks - block) != 0);
       if (next) {
         if (count == Rows)
-          dot_tile<W, kFeatures, Rows, true>(p, feature, row, prefetcher);
+          dot_tile<W, kFeatures, Rows, true, Bf16Products>(p, feature, row, prefetcher);
         else
-          dot_tile<W, kFeatures, kFewer, true>(p, feature, row, prefetcher);
+          dot_tile<W, kFeatures, kFewer, true, Bf16Products>(p, feature, row, prefetcher);
       } else {
         if (count == Rows)
-          dot_tile<W, kFeatures, Rows>(p, feature, row, prefetcher);
+          dot_tile<W, kFeatures, Rows, false, Bf16Products>(p, feature, row, prefetcher);
         else
-          dot_tile<W, kFeatures, kFewer>(p, feature, row, prefetcher);
+          dot_tile<W, kFeatures, kFewer, false, Bf16Products>(p, feature, row, prefetcher);
       }
       row += count;
     }
@@ -209,34 +285,38 @@ template <int W, int Registers, int Rows, class Weight>
     for (int block = 0, row = 0; block < blocks; ++block) {
       const int count = (p.rows - row) / (blocks - block) + ((p.rows - row) % (blocks - block) != 0);
       if (count == Rows)
-        dot_tile<W, 1, Rows>(p, feature, row, prefetcher);
+        dot_tile<W, 1, Rows, false, Bf16Products>(p, feature, row, prefetcher);
       else
-        dot_tile<W, 1, kFewer>(p, feature, row, prefetcher);
+        dot_tile<W, 1, kFewer, false, Bf16Products>(p, feature, row, prefetcher);
       row += count;
     }
 }
 
 // Picks the row block for `largest` (the biggest of the balanced blocks).
-template <int W, int Registers, int Rows, class Weight>
+template <int W, int Registers, int Rows, bool Bf16Products, class Weight>
 [[gnu::always_inline]] inline void dot_rows(const DotProblem<Weight>& p, int begin, int end, int blocks, int largest) {
   if constexpr (Rows > 1)
-    if (largest < Rows) return dot_rows<W, Registers, Rows - 1>(p, begin, end, blocks, largest);
-  dot_features<W, Registers, Rows>(p, begin, end, blocks);
+    if (largest < Rows) return dot_rows<W, Registers, Rows - 1, Bf16Products>(p, begin, end, blocks, largest);
+  dot_features<W, Registers, Rows, Bf16Products>(p, begin, end, blocks);
 }
 
 // One chunk of output features. Registers: the instruction set's vector
-// registers, less one or two for the compiler; MaxRows: the row block.
-template <int W, int Registers, int MaxRows, class Weight>
+// registers, less one or two for the compiler; MaxRows: the row block;
+// Bf16Products: AVX-512 BF16 dot products (dot_tile_bf16_products).
+template <int W, int Registers, int MaxRows, bool Bf16Products, class Weight>
 [[gnu::always_inline]] inline void dot_chunk(const DotProblem<Weight>& p, int chunk) {
   const int begin = chunk * p.chunk_features, end = std::min(p.out_features, begin + p.chunk_features);
   const int blocks = (p.rows + MaxRows - 1) / MaxRows, largest = largest_row_block(p.rows, MaxRows);
-  dot_rows<W, Registers, MaxRows>(p, begin, end, blocks, largest);
+  dot_rows<W, Registers, MaxRows, Bf16Products>(p, begin, end, blocks, largest);
 }
 
-template <const TileShapes& Tiles, class Weight>
+template <const TileShapes& Tiles, class Weight, bool Bf16Products = false>
 [[gnu::always_inline]] inline void dot_chunk(const void* problem, int chunk) {
-  dot_chunk<Tiles.width, Tiles.dot_registers, Tiles.dot_max_rows>(*static_cast<const DotProblem<Weight>*>(problem),
-                                                                  chunk);
+  dot_chunk<Tiles.width, Tiles.dot_registers, Tiles.dot_max_rows, Bf16Products>(
+      *static_cast<const DotProblem<Weight>*>(problem), chunk);
+}
+__attribute__((target("arch=x86-64-v4,avx512bf16"))) void dot_chunk_avx512_bf16(const void* problem, int chunk) {
+  dot_chunk<kAvx512Tiles, uint16_t, true>(problem, chunk);
 }
 template <class Weight>
 __attribute__((target("arch=x86-64-v4"))) void dot_chunk_avx512(const void* problem, int chunk) {
@@ -392,7 +472,8 @@ void axpy_chunk_baseline(const void* problem, int chunk) {
 
 MatmulIsa widest_supported() {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("x86-64-v4")) return MatmulIsa::Avx512;
+  if (__builtin_cpu_supports("x86-64-v4"))
+    return __builtin_cpu_supports("avx512bf16") ? MatmulIsa::Avx512Bf16 : MatmulIsa::Avx512;
   if (__builtin_cpu_supports("x86-64-v3")) return MatmulIsa::Avx2;
   return MatmulIsa::Baseline;
 }
@@ -403,7 +484,7 @@ std::atomic<MatmulIsa>& chosen_isa() {
 }
 
 const TileShapes& tile_shapes(MatmulIsa isa) {
-  return isa == MatmulIsa::Avx512 ? kAvx512Tiles : isa == MatmulIsa::Avx2 ? kAvx2Tiles : kBaselineTiles;
+  return isa >= MatmulIsa::Avx512 ? kAvx512Tiles : isa == MatmulIsa::Avx2 ? kAvx2Tiles : kBaselineTiles;
 }
 
 // Output features per chunk: a whole number of tiles (`granule` features, so
@@ -416,6 +497,51 @@ int chunk_size(long work, int out_features, int granule) {
   if (threads == 1 || most_chunks < 2) return out_features;
   const int granules = (out_features + granule - 1) / granule;
   return int((granules + most_chunks - 1) / most_chunks) * granule;
+}
+
+template <class Weight>
+void dot_forward(float* out, const float* x, const Weight* weight, const float* bias, int rows, int in_features,
+                 int out_features, const uint16_t* x_pairs = nullptr) {
+  if (rows <= 0 || out_features <= 0) return;
+  DotProblem<Weight> problem{out, x, weight, bias, rows, in_features, out_features, 0, x_pairs};
+  const TileShapes& tiles = tile_shapes(matmul_isa());
+  const int tile_features = dot_features_for(tiles.dot_registers, largest_row_block(rows, tiles.dot_max_rows));
+  problem.chunk_features = chunk_size(long(rows) * in_features * out_features, out_features, tile_features);
+  const int chunks = (out_features + problem.chunk_features - 1) / problem.chunk_features;
+  ParallelTask task = for_matmul_isa(dot_chunk_avx512<Weight>, dot_chunk_avx2<Weight>, dot_chunk_baseline<Weight>);
+  if constexpr (std::is_same_v<Weight, uint16_t>)
+    if (x_pairs) task = dot_chunk_avx512_bf16;
+  parallel_run(task, &problem, chunks);
+}
+
+// One row of `in` bf16 values, bits_of(i) the i-th, laid out in
+// pack_bf16_rows' pairs.
+template <class BitsOf>
+void pair_row(uint16_t* destination, int in, BitsOf bits_of) {
+  int i = 0;
+  for (; i + 32 <= in; i += 32)
+    for (int j = 0; j < 16; ++j) {  // word j: value 16 + j in the low half, value j in the high (little-endian)
+      destination[i + 2 * j] = bits_of(i + 16 + j);
+      destination[i + 2 * j + 1] = bits_of(i + j);
+    }
+  for (; i < in; ++i) destination[i] = bits_of(i);
+}
+
+// A product's activations rounded to bf16, per calling thread (the pool's
+// workers read the caller's): as f32 values, for the widening tiles and
+// sgemm, or in pairs, for the AVX-512 BF16 tile.
+const float* rounded_to_bf16(const float* x, long count) {
+  thread_local std::vector<float> rounded;
+  rounded.resize(size_t(count));
+  for (long i = 0; i < count; ++i) rounded[size_t(i)] = bf16_to_f32(f32_to_bf16(x[i]));
+  return rounded.data();
+}
+const uint16_t* paired_bf16(const float* x, int rows, int in) {
+  thread_local std::vector<uint16_t> pairs;
+  pairs.resize(size_t(rows) * in);
+  for (long row = 0; row < rows; ++row)
+    pair_row(pairs.data() + row * in, in, [&](int i) { return f32_to_bf16(x[row * in + i]); });
+  return pairs.data();
 }
 
 }  // namespace
@@ -433,6 +559,8 @@ void set_matmul_isa(MatmulIsa isa) {
 
 const char* matmul_isa_name(MatmulIsa isa) {
   switch (isa) {
+    case MatmulIsa::Avx512Bf16:
+      return "avx512-bf16";
     case MatmulIsa::Avx512:
       return "avx512";
     case MatmulIsa::Avx2:
@@ -442,34 +570,12 @@ const char* matmul_isa_name(MatmulIsa isa) {
   }
 }
 
-template <class Weight>
-void dot_forward(float* out, const float* x, const Weight* weight, const float* bias, int rows, int in_features,
-                 int out_features) {
-  if (rows <= 0 || out_features <= 0) return;
-  DotProblem<Weight> problem{out, x, weight, bias, rows, in_features, out_features, 0};
-  const TileShapes& tiles = tile_shapes(matmul_isa());
-  const int tile_features = dot_features_for(tiles.dot_registers, largest_row_block(rows, tiles.dot_max_rows));
-  problem.chunk_features = chunk_size(long(rows) * in_features * out_features, out_features, tile_features);
-  const int chunks = (out_features + problem.chunk_features - 1) / problem.chunk_features;
-  parallel_run(for_matmul_isa(dot_chunk_avx512<Weight>, dot_chunk_avx2<Weight>, dot_chunk_baseline<Weight>), &problem,
-               chunks);
-}
-
 std::vector<uint16_t> pack_bf16_rows(const float* weight, int out_features, int in_features) {
   std::vector<uint16_t> bits = exact_bf16(weight, size_t(out_features) * in_features);
   if (bits.empty()) return bits;
   std::vector<uint16_t> packed(bits.size());
-  for (long row = 0; row < out_features; ++row) {
-    const uint16_t* source = bits.data() + row * in_features;
-    uint16_t* destination = packed.data() + row * in_features;
-    int i = 0;
-    for (; i + 32 <= in_features; i += 32)
-      for (int j = 0; j < 16; ++j) {  // word j: value j in the low half, 16 + j in the high (little-endian)
-        destination[i + 2 * j] = source[i + j];
-        destination[i + 2 * j + 1] = source[i + 16 + j];
-      }
-    std::copy(source + i, source + in_features, destination + i);
-  }
+  for (long row = 0; row < out_features; ++row)
+    pair_row(packed.data() + row * in_features, in_features, [&](int i) { return bits[row * in_features + i]; });
   return packed;
 }
 
@@ -480,7 +586,11 @@ void matmul_forward_small_rows(float* out, const float* x, const float* weight, 
 
 void matmul_forward_small_rows(float* out, const float* x, const uint16_t* weight, const float* bias, int rows,
                                int in_features, int out_features) {
-  dot_forward(out, x, weight, bias, rows, in_features, out_features);
+  if (rows <= 0 || out_features <= 0) return;
+  if (matmul_isa() == MatmulIsa::Avx512Bf16)
+    dot_forward(out, nullptr, weight, bias, rows, in_features, out_features, paired_bf16(x, rows, in_features));
+  else
+    dot_forward(out, rounded_to_bf16(x, long(rows) * in_features), weight, bias, rows, in_features, out_features);
 }
 
 template <class Weight>
@@ -540,10 +650,13 @@ void matmul_forward(float* out, const float* x, const float* weight, const float
 
 void matmul_forward(float* out, const float* x, const float* weight, const uint16_t* weight_bf16, const float* bias,
                     int rows, int in_features, int out_features) {
-  if (weight_bf16 && rows <= kSmallRowsMax)
-    matmul_forward_small_rows(out, x, weight_bf16, bias, rows, in_features, out_features);
-  else
+  if (!weight_bf16)
     matmul_forward(out, x, weight, bias, rows, in_features, out_features);
+  else if (rows <= kSmallRowsMax)
+    matmul_forward_small_rows(out, x, weight_bf16, bias, rows, in_features, out_features);
+  else  // sgemm on the f32 widening, of the activations rounded as the small-row path rounds them
+    matmul_forward_blas(out, rounded_to_bf16(x, long(rows) * in_features), weight, bias, rows, in_features,
+                        out_features);
 }
 
 void matmul_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight, int rows,

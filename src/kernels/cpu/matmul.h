@@ -27,20 +27,28 @@ void matmul_forward(float* out, const float* x, const float* weight, const float
                     int out_features);
 
 // The same, given also weight_bf16: the same weight's bf16 bit patterns as
-// pack_bf16_rows lays them out, or null. The small-row kernel then reads
-// those, half the bytes, and widens them exactly as it goes: the results are
-// bit for bit those of the f32 weight.
+// pack_bf16_rows lays them out, or null. Given them, the product is one of
+// bf16 values, as HF transformers and the CUDA path compute a bf16 model: x
+// is rounded to bf16 (to nearest even) first, the products are exact and
+// accumulate in f32. The small-row kernel reads the bits, half the bytes of
+// the f32 weight, and on a CPU with AVX-512 BF16 multiplies pairs of them
+// with pairs of activations in one instruction (twice the multiply-adds of
+// an f32 FMA: a few-row product is compute-bound on 2 cores); elsewhere it
+// widens both, with the same bits on AVX-512. Above kSmallRowsMax rows,
+// sgemm gets the rounded activations and the f32 weight.
 void matmul_forward(float* out, const float* x, const float* weight, const uint16_t* weight_bf16, const float* bias,
                     int rows, int in_features, int out_features);
 
 // An [out, in] weight's bf16 bit patterns laid out for matmul_forward's
 // weight_bf16 when every element is a bf16 value (core/dtype.h, exact_bf16),
 // else empty. In each row every block of 32 values is stored in pairs, 32-bit
-// word j holding value j in its low half and value 16 + j in its high half, so
-// that one vector of words gives two vectors of floats by a shift and a mask
+// word j holding value j in its high half and value 16 + j in its low half, so
+// that one vector of words gives two vectors of floats by a mask and a shift
 // (8 rows of the demo target's 384 -> 1408, compute-bound with bf16 weights,
 // ran 141 GFLOP/s from 16-bit lanes and 157 from pairs, as fast as from f32;
-// docs/PERF.md). A row's last in % 32 values stay in order.
+// docs/PERF.md), and AVX-512 BF16's dot product of two such words adds the
+// high halves' product first, as the widening kernel adds value j's first.
+// A row's last in % 32 values stay in order.
 std::vector<uint16_t> pack_bf16_rows(const float* weight, int out_features, int in_features);
 
 // What matmul_forward takes for weight_bf16: the bits, or null for none.
@@ -53,7 +61,10 @@ void matmul_backward(float* dx, float* dweight, const float* dout, const float* 
 // out = x @ weight, with weight stored [in, out] (the drafter's layout).
 void matmul_in_out_forward(float* out, const float* x, const float* weight, int rows, int in_features,
                            int out_features);
-// The same with the weight's bf16 bits or null, as matmul_forward above.
+// The same with the weight's bf16 bits or null. Unlike matmul_forward's,
+// this one keeps x in f32: the bits are widened exactly, so the results are
+// bit for bit those of the f32 weight (the drafter's own matrices; this
+// layout has no bf16 pairs along `in` to multiply).
 void matmul_in_out_forward(float* out, const float* x, const float* weight, const uint16_t* weight_bf16, int rows,
                            int in_features, int out_features);
 
@@ -63,7 +74,8 @@ void matmul_in_out_backward(float* dx, float* dweight, const float* dout, const 
 
 // The two paths of each forward, for the benchmark (bench/matmul_benchmark.cpp)
 // and the tests, which run each on shapes the dispatch would not give it.
-// The small-row kernels take any row count; they are fast for few rows.
+// The small-row kernels take any row count; they are fast for few rows. With
+// a bf16 weight the [out, in] one rounds x to bf16 (matmul_forward above).
 void matmul_forward_small_rows(float* out, const float* x, const float* weight, const float* bias, int rows,
                                int in_features, int out_features);
 void matmul_forward_small_rows(float* out, const float* x, const uint16_t* weight, const float* bias, int rows,
@@ -86,7 +98,10 @@ int matmul_threads();
 // CPU supports is used unless set_matmul_isa picks a narrower one (tests run
 // every supported one; the benchmark compares them). Asking for one the CPU
 // lacks fails.
-enum class MatmulIsa { Baseline, Avx2, Avx512 };  // SSE2; AVX2 + FMA (x86-64-v3); AVX-512 (x86-64-v4)
+// SSE2; AVX2 + FMA (x86-64-v3); AVX-512 (x86-64-v4); and AVX-512 BF16, which
+// only the [out, in] products of bf16 weights use (their other kernels are
+// AVX-512's), with the same result bits as AVX-512.
+enum class MatmulIsa { Baseline, Avx2, Avx512, Avx512Bf16 };
 MatmulIsa matmul_isa();
 bool matmul_isa_supported(MatmulIsa isa);
 void set_matmul_isa(MatmulIsa isa);
@@ -97,7 +112,7 @@ const char* matmul_isa_name(MatmulIsa isa);
 template <class Function>
 Function for_matmul_isa(Function avx512, Function avx2, Function baseline) {
   const MatmulIsa isa = matmul_isa();
-  return isa == MatmulIsa::Avx512 ? avx512 : isa == MatmulIsa::Avx2 ? avx2 : baseline;
+  return isa >= MatmulIsa::Avx512 ? avx512 : isa == MatmulIsa::Avx2 ? avx2 : baseline;
 }
 
 }  // namespace dspark::cpu
