@@ -139,15 +139,15 @@ TEST_F(MatmulTest, DispatchMatchesReferenceAroundTheRowLimit) {
     }
 }
 
-// A bf16 weight read as bf16 bits (half the bytes). [out, in], packed in pairs
-// by pack_bf16_rows: a product of bf16 values, bit for bit the f32 widening
-// of the weight applied to the activations rounded to bf16 (on AVX-512 BF16
-// by its dot-product instruction, against AVX-512's f32 kernel), and above
-// the small-row limit sgemm's on the same rounded activations. [in, out]:
-// exactly the f32 widening's bits on the unrounded activations. Rows of whole
-// 32-value blocks, a block and a vector, a block and a scalar tail, and
-// shorter rows; row counts the tiles split differently; every instruction
-// set. exact_bf16 and pack_bf16_rows take a weight apart only when it is bf16.
+// A bf16 weight read as bf16 bits (half the bytes). [out, in], in
+// pack_bf16_rows' panels: a product of bf16 values, bit for bit the f32 sum of
+// the exact products of the rounded activations and the weights in the order
+// of `in`, then the bias (on AVX-512 BF16 by its dot-product instruction),
+// and above the small-row limit sgemm's on the same rounded activations.
+// [in, out]: exactly the f32 widening's bits on the unrounded activations.
+// Odd and even `in`, features that fill no panel, one panel, and several;
+// row counts the tiles split differently; every instruction set. exact_bf16
+// and pack_bf16_rows take a weight apart only when it is bf16.
 TEST_F(MatmulTest, Bf16WeightsGiveTheBitsOfTheirF32Widening) {
   Rng rng(15);
   auto bf16_case = [&](int rows, int in, int out, bool with_bias) {
@@ -159,30 +159,40 @@ TEST_F(MatmulTest, Bf16WeightsGiveTheBitsOfTheirF32Widening) {
     for (float& value : values) value = bf16_to_f32(f32_to_bf16(value));
     return values;
   };
+  auto sequential_sums = [](const Case& c, const std::vector<float>& x) {  // [out, in] weight, x rounded
+    std::vector<float> out(size_t(c.rows) * c.out);
+    for (int r = 0; r < c.rows; ++r)
+      for (int o = 0; o < c.out; ++o) {
+        float sum = 0.0f;
+        for (int i = 0; i < c.in; ++i)
+          sum += x[size_t(r) * c.in + i] * c.weight[size_t(o) * c.in + i];  // exact products
+        out[size_t(r) * c.out + o] = c.bias.empty() ? sum : sum + c.bias[o];
+      }
+    return out;
+  };
   for (MatmulIsa isa : supported()) {
     cpu::set_matmul_isa(isa);
     SCOPED_TRACE(cpu::matmul_isa_name(isa));
     for (int rows : {1, 2, 3, 4, 5, 8, 9, 16, 17, cpu::kSmallRowsMax + 1})
       for (const auto& [in, out] : {std::pair{7, 5}, std::pair{17, 23}, std::pair{45, 70}, std::pair{48, 9},
-                                    std::pair{384, 37}, std::pair{389, 203}})
+                                    std::pair{384, 16}, std::pair{384, 37}, std::pair{389, 203}})
         for (bool with_bias : {false, true}) {
           const Case c = bf16_case(rows, in, out, with_bias);
           const std::vector<uint16_t> bits = exact_bf16(c.weight.data(), c.weight.size());
-          const std::vector<uint16_t> pairs = cpu::pack_bf16_rows(c.weight.data(), out, in);
+          const std::vector<uint16_t> panels = cpu::pack_bf16_rows(c.weight.data(), out, in);
           ASSERT_EQ(bits.size(), c.weight.size());
-          ASSERT_EQ(pairs.size(), c.weight.size());
+          ASSERT_EQ(panels.size(), size_t((out + 15) / 16 * 16) * ((in + 1) / 2 * 2));
           const float* bias = c.bias.empty() ? nullptr : c.bias.data();
           const std::vector<float> x_bf16 = rounded(c.x);
-          std::vector<float> widened(size_t(rows) * out, std::nanf("")), halves(widened.size(), std::nanf(""));
+          std::vector<float> expected(size_t(rows) * out, std::nanf("")), got(expected.size(), std::nanf(""));
           if (rows <= cpu::kSmallRowsMax)
-            cpu::matmul_forward_small_rows(widened.data(), x_bf16.data(), c.weight.data(), bias, rows, in, out);
+            expected = sequential_sums(c, x_bf16);
           else
-            cpu::matmul_forward_blas(widened.data(), x_bf16.data(), c.weight.data(), bias, rows, in, out);
-          cpu::matmul_forward(halves.data(), c.x.data(), c.weight.data(), pairs.data(), bias, rows, in, out);
-          EXPECT_EQ(halves, widened) << "[out, in] rows " << rows << " in " << in << " out " << out;
+            cpu::matmul_forward_blas(expected.data(), x_bf16.data(), c.weight.data(), bias, rows, in, out);
+          cpu::matmul_forward(got.data(), c.x.data(), c.weight.data(), panels.data(), bias, rows, in, out);
+          EXPECT_EQ(got, expected) << "[out, in] rows " << rows << " in " << in << " out " << out;
           if (with_bias || rows > cpu::kSmallRowsMax) continue;  // [in, out] has no bias; the weight seen as [in, out]
-          std::fill(widened.begin(), widened.end(), std::nanf(""));
-          std::fill(halves.begin(), halves.end(), std::nanf(""));
+          std::vector<float> widened(size_t(rows) * out, std::nanf("")), halves(widened.size(), std::nanf(""));
           cpu::matmul_in_out_forward_small_rows(widened.data(), c.x.data(), c.weight.data(), rows, in, out);
           cpu::matmul_in_out_forward(halves.data(), c.x.data(), c.weight.data(), bits.data(), rows, in, out);
           EXPECT_EQ(halves, widened) << "[in, out] rows " << rows << " in " << in << " out " << out;
@@ -192,16 +202,19 @@ TEST_F(MatmulTest, Bf16WeightsGiveTheBitsOfTheirF32Widening) {
   EXPECT_TRUE(exact_bf16(not_bf16.data(), 2).empty());
   EXPECT_EQ(exact_bf16(not_bf16.data(), 1), std::vector<uint16_t>{0x3f80});
   EXPECT_TRUE(cpu::pack_bf16_rows(not_bf16.data(), 1, 2).empty());
-  // The pairs' layout itself: value j of a block in word j's high half, 16 + j in its low half.
-  std::vector<float> ramp(33);
-  for (int i = 0; i < 33; ++i) ramp[i] = float(i);
-  const std::vector<uint16_t> packed = cpu::pack_bf16_rows(ramp.data(), 1, 33);
-  ASSERT_EQ(packed.size(), 33u);
-  EXPECT_EQ(packed[0], f32_to_bf16(16.0f));
-  EXPECT_EQ(packed[1], f32_to_bf16(0.0f));
-  EXPECT_EQ(packed[30], f32_to_bf16(31.0f));
-  EXPECT_EQ(packed[31], f32_to_bf16(15.0f));
-  EXPECT_EQ(packed[32], f32_to_bf16(32.0f));  // the tail stays in order
+  // The panels' layout itself, for 17 features of 3 inputs: weight[f, i] = 4 f + i (exact in bf16).
+  std::vector<float> ramp(17 * 3);
+  for (int f = 0; f < 17; ++f)
+    for (int i = 0; i < 3; ++i) ramp[f * 3 + i] = float(4 * f + i);
+  const std::vector<uint16_t> packed = cpu::pack_bf16_rows(ramp.data(), 17, 3);
+  ASSERT_EQ(packed.size(), size_t(2 * 2 * 16 * 2));  // 2 panels x 2 pairs x 16 words of two halves
+  auto word = [&](int panel, int pair, int lane) { return 2 * ((panel * 2 + pair) * 16 + lane); };
+  EXPECT_EQ(packed[word(0, 0, 0) + 1], f32_to_bf16(0.0f));   // feature 0, input 0: the high half
+  EXPECT_EQ(packed[word(0, 0, 0)], f32_to_bf16(1.0f));       // input 1: the low half
+  EXPECT_EQ(packed[word(0, 1, 5) + 1], f32_to_bf16(22.0f));  // feature 5, input 2
+  EXPECT_EQ(packed[word(0, 1, 5)], 0);                       // no input 3
+  EXPECT_EQ(packed[word(1, 0, 0) + 1], f32_to_bf16(64.0f));  // feature 16 opens the second panel
+  EXPECT_EQ(packed[word(1, 0, 1) + 1], 0);                   // no feature 17
 }
 
 // The bf16 product is the product of the rounded values: against the

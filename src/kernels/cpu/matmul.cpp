@@ -8,19 +8,23 @@
 // weight element once from memory and uses it for every row while it sits in
 // L1 (registers, in fact): the extra rows cost FLOPs, not bytes.
 //
-// Two layouts:
-//   [out, in] (matmul_forward): a tile of F weight rows x R activation rows
-//     keeps F*R vector accumulators of partial dot products along `in`,
+// Three tiles:
+//   [out, in] f32 (matmul_forward): a tile of F weight rows x R activation
+//     rows keeps F*R vector accumulators of partial dot products along `in`,
 //     summed across lanes at the end (the "dot" tile).
 //   [in, out] (matmul_in_out_forward): a tile of R rows x C output columns
 //     keeps R*C/W vector accumulators; each weight row segment is loaded once
-//     and multiplied by R broadcast activations (the "axpy" tile).
+//     and multiplied by R broadcast activations (the "axpy" tile). Its
+//     weights are f32 or the bits of a weight that is exactly bf16, widened
+//     as they are loaded: half the bytes, not one result bit different.
+//   [out, in] bf16 (matmul_forward with weight_bf16): the axpy tile's shape
+//     over bf16 pairs, weights in panels of 32 output features
+//     (pack_bf16_rows), activations rounded to bf16; on AVX-512 BF16 one
+//     vdpbf16ps applies a pair of inputs to 16 features (the "pairs" tile).
+//     Each output is the plain sequential sum over `in`, so it has no
+//     horizontal sums at all, and the same bits on every instruction set.
 // Tile shapes are chosen per row count so the accumulators fill most of the
 // vector registers (16 with AVX2, 32 with AVX-512) without spilling.
-//
-// Weights are f32, or the bf16 bit patterns of a weight that is exactly bf16
-// (a bf16 checkpoint's), widened as they are loaded: half the bytes of a
-// memory-bound product, and not one result bit different.
 //
 // Instruction sets: the kernels are written once with GCC vector extensions
 // and compiled three times, for x86-64-v4 (AVX-512, 16 floats a vector),
@@ -37,7 +41,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -56,6 +62,7 @@ using simd::Floats;
 using simd::load;
 using simd::store;
 using simd::sum_lanes;
+using simd::Words;
 
 // ---- tile shapes per instruction set ---------------------------------------------
 
@@ -90,22 +97,14 @@ constexpr int largest_row_block(int rows, int max_rows) {
 
 // ---- [out, in]: dot tiles ------------------------------------------------------
 
-// Weight: float, or uint16_t for bf16 bits (widened exactly as they are read).
-template <class Weight>
 struct DotProblem {
   float* out;
   const float* x;
-  const Weight* weight;
+  const float* weight;
   const float* bias;
   int rows, in, out_features;
   int chunk_features;  // output features per chunk of the pool
-  // bf16 weights on a CPU with AVX-512 BF16: the activations (already rounded
-  // to bf16 in x) as bf16 bits in the weight's pairs (pack_bf16_rows), or null.
-  const uint16_t* x_pairs = nullptr;
 };
-
-[[gnu::always_inline]] inline float widen(float value) { return value; }
-[[gnu::always_inline]] inline float widen(uint16_t bits) { return bf16_to_f32(bits); }
 
 // Where the prefetches of the next tile's weight rows (contiguous) have got
 // to: `step` bytes further each inner iteration, `lines` cache lines at a
@@ -125,21 +124,15 @@ struct Prefetcher {
 // instead of about the larger of the two (384 x 8192 at 16 rows, one core:
 // 2.7 -> 1.5-1.7 ms; docs/PERF.md).
 
-// Requests the next stretch of the following tile (Prefetch).
-template <bool Prefetch>
-[[gnu::always_inline]] inline void prefetch_next(Prefetcher& prefetcher) {
-  if constexpr (Prefetch) {
-    for (int line = 0; line < prefetcher.lines; ++line) __builtin_prefetch(prefetcher.cursor + 64 * line, 0, 2);
-    prefetcher.cursor += prefetcher.step;
-  }
-}
-
 // sums[f][r] += w[f] * x[r, i..i+W) for one vector step at `i`, after
 // requesting the next stretch of the following tile (Prefetch).
 template <int W, int Features, int Rows, bool Prefetch, class V>
 [[gnu::always_inline]] inline void dot_step(V (&sums)[Features * Rows], const V (&w)[Features], const float* x, int in,
                                             int i, Prefetcher& prefetcher) {
-  prefetch_next<Prefetch>(prefetcher);
+  if constexpr (Prefetch) {
+    for (int line = 0; line < prefetcher.lines; ++line) __builtin_prefetch(prefetcher.cursor + 64 * line, 0, 2);
+    prefetcher.cursor += prefetcher.step;
+  }
 #pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r) {
     const V activation = load<V>(x + long(r) * in + i);
@@ -148,83 +141,16 @@ template <int W, int Features, int Rows, bool Prefetch, class V>
   }
 }
 
-// dot_tile for bf16 weights and activations on AVX-512 BF16: one vdpbf16ps
-// multiplies a block's 32 weights with 32 activations, where the widening
-// path takes two FMAs and two widenings, and a product of two bf16 is exact
-// in f32. Lane j adds the pair's high half (value j) first, then its low half
-// (value 16 + j): exactly what the widening path does in its two 16-lane
-// chunks, so the sums are bit for bit the widening path's on the same
-// bf16-rounded activations (a bf16 denormal, below 1.2e-38, the instruction
-// reads as zero: activations of a normed stream are never that small).
-template <int Features, int Rows, bool Prefetch>
-[[gnu::always_inline]] inline void dot_tile_bf16_products(const DotProblem<uint16_t>& p, int feature, int row,
-                                                          Prefetcher& prefetcher) {
-  using V = typename Floats<16>::Vector;
-  typedef short Pairs __attribute__((vector_size(64)));  // 32 bf16 in 16 words
-  const int in = p.in;
-  const uint16_t* x = p.x_pairs + long(row) * in;
-  const uint16_t* weight = p.weight + long(feature) * in;
-  V sums[Features * Rows];  // [feature][row]
-#pragma GCC unroll 64
-  for (int k = 0; k < Features * Rows; ++k) sums[k] = V{};
-  int i = 0;
-  for (; i + 32 <= in; i += 32) {
-    prefetch_next<Prefetch>(prefetcher);  // twice: the pace of two 16-value steps
-    prefetch_next<Prefetch>(prefetcher);
-    Pairs w[Features];
-#pragma GCC unroll 16
-    for (int f = 0; f < Features; ++f) std::memcpy(&w[f], weight + long(f) * in + i, sizeof(Pairs));
-#pragma GCC unroll 16
-    for (int r = 0; r < Rows; ++r) {
-      Pairs activation;
-      std::memcpy(&activation, x + long(r) * in + i, sizeof activation);
-#pragma GCC unroll 16
-      for (int f = 0; f < Features; ++f)
-        sums[f * Rows + r] = __builtin_ia32_dpbf16ps_v16sf(sums[f * Rows + r], activation, w[f]);
-    }
-  }
-  for (; i + 16 <= in; i += 16) {  // the row's tail is in order: 16 values a vector, widened
-    prefetch_next<Prefetch>(prefetcher);
-#pragma GCC unroll 16
-    for (int r = 0; r < Rows; ++r) {
-      const V activation = load<V>(x + long(r) * in + i);
-#pragma GCC unroll 16
-      for (int f = 0; f < Features; ++f) sums[f * Rows + r] += load<V>(weight + long(f) * in + i) * activation;
-    }
-  }
-  float totals[Features * Rows];
-  sum_lanes<16, 0>(sums, totals);
-  for (int f = 0; f < Features; ++f)
-    for (int r = 0; r < Rows; ++r) {
-      float sum = totals[f * Rows + r];
-      for (int j = i; j < in; ++j) sum += bf16_to_f32(x[long(r) * in + j]) * bf16_to_f32(weight[long(f) * in + j]);
-      if (p.bias) sum += p.bias[feature + f];
-      p.out[long(row + r) * p.out_features + feature + f] = sum;
-    }
-}
-
-template <int W, int Features, int Rows, bool Prefetch, class Weight>
-[[gnu::always_inline]] inline void dot_tile_widening(const DotProblem<Weight>& p, int feature, int row,
-                                                     Prefetcher& prefetcher) {
+template <int W, int Features, int Rows, bool Prefetch = false>
+[[gnu::always_inline]] inline void dot_tile(const DotProblem& p, int feature, int row, Prefetcher& prefetcher) {
   using V = typename Floats<W>::Vector;
   const int in = p.in, vector_end = in - in % W;
   const float* x = p.x + long(row) * in;
-  const Weight* weight = p.weight + long(feature) * in;
+  const float* weight = p.weight + long(feature) * in;
   V sums[Features * Rows];  // [feature][row]
 #pragma GCC unroll 64
   for (int k = 0; k < Features * Rows; ++k) sums[k] = V{};
-  int i = 0;
-  if constexpr (std::is_same_v<Weight, uint16_t>) {  // bf16 rows packed in blocks of 32 (pack_bf16_rows)
-    for (; i + 32 <= in; i += 32)
-#pragma GCC unroll 4
-      for (int chunk = 0; chunk < 32 / W; ++chunk) {
-        V w[Features];
-#pragma GCC unroll 16
-        for (int f = 0; f < Features; ++f) w[f] = simd::load_paired<V>(weight + long(f) * in + i, chunk);
-        dot_step<W, Features, Rows, Prefetch>(sums, w, x, in, i + chunk * W, prefetcher);
-      }
-  }
-  for (; i < vector_end; i += W) {
+  for (int i = 0; i < vector_end; i += W) {
     V w[Features];
 #pragma GCC unroll 16
     for (int f = 0; f < Features; ++f) w[f] = load<V>(weight + long(f) * in + i);
@@ -235,31 +161,21 @@ template <int W, int Features, int Rows, bool Prefetch, class Weight>
   for (int f = 0; f < Features; ++f)
     for (int r = 0; r < Rows; ++r) {
       float sum = totals[f * Rows + r];
-      for (int i = vector_end; i < in; ++i) sum += x[long(r) * in + i] * widen(weight[long(f) * in + i]);
+      for (int i = vector_end; i < in; ++i) sum += x[long(r) * in + i] * weight[long(f) * in + i];
       if (p.bias) sum += p.bias[feature + f];
       p.out[long(row + r) * p.out_features + feature + f] = sum;
     }
 }
 
-// Bf16Products: the AVX-512 BF16 tile (W 16, uint16_t weights), else the
-// widening one.
-template <int W, int Features, int Rows, bool Prefetch, bool Bf16Products, class Weight>
-[[gnu::always_inline]] inline void dot_tile(const DotProblem<Weight>& p, int feature, int row, Prefetcher& prefetcher) {
-  if constexpr (Bf16Products)
-    dot_tile_bf16_products<Features, Rows, Prefetch>(p, feature, row, prefetcher);
-  else
-    dot_tile_widening<W, Features, Rows, Prefetch>(p, feature, row, prefetcher);
-}
-
 // Weight rows [begin, end) against all activation rows, in row blocks of Rows
 // or Rows - 1 (balanced); each weight tile is reused across the row blocks
 // while it is in L1.
-template <int W, int Registers, int Rows, bool Bf16Products, class Weight>
-[[gnu::always_inline]] inline void dot_features(const DotProblem<Weight>& p, int begin, int end, int blocks) {
+template <int W, int Registers, int Rows>
+[[gnu::always_inline]] inline void dot_features(const DotProblem& p, int begin, int end, int blocks) {
   constexpr int kFeatures = dot_features_for(Registers, Rows);
   constexpr int kFewer = Rows > 1 ? Rows - 1 : 1;
   // The next tile's kFeatures * in weights, spread over blocks * (in / W) iterations.
-  const long step = std::max(1L, long(kFeatures) * W * long(sizeof(Weight)) / blocks);
+  const long step = std::max(1L, long(kFeatures) * W * long(sizeof(float)) / blocks);
   Prefetcher prefetcher{nullptr, step, int((step + 63) / 64)};
   int feature = begin;
   for (; feature + kFeatures <= end; feature += kFeatures) {
@@ -269,14 +185,14 @@ template <int W, int Registers, int Rows, bool Bf16Products, class Weight>
       const int count = (p.rows - row) / (blocks - block) + ((p.rows - row) % (blocks - block) != 0);
       if (next) {
         if (count == Rows)
-          dot_tile<W, kFeatures, Rows, true, Bf16Products>(p, feature, row, prefetcher);
+          dot_tile<W, kFeatures, Rows, true>(p, feature, row, prefetcher);
         else
-          dot_tile<W, kFeatures, kFewer, true, Bf16Products>(p, feature, row, prefetcher);
+          dot_tile<W, kFeatures, kFewer, true>(p, feature, row, prefetcher);
       } else {
         if (count == Rows)
-          dot_tile<W, kFeatures, Rows, false, Bf16Products>(p, feature, row, prefetcher);
+          dot_tile<W, kFeatures, Rows>(p, feature, row, prefetcher);
         else
-          dot_tile<W, kFeatures, kFewer, false, Bf16Products>(p, feature, row, prefetcher);
+          dot_tile<W, kFeatures, kFewer>(p, feature, row, prefetcher);
       }
       row += count;
     }
@@ -285,55 +201,45 @@ template <int W, int Registers, int Rows, bool Bf16Products, class Weight>
     for (int block = 0, row = 0; block < blocks; ++block) {
       const int count = (p.rows - row) / (blocks - block) + ((p.rows - row) % (blocks - block) != 0);
       if (count == Rows)
-        dot_tile<W, 1, Rows, false, Bf16Products>(p, feature, row, prefetcher);
+        dot_tile<W, 1, Rows>(p, feature, row, prefetcher);
       else
-        dot_tile<W, 1, kFewer, false, Bf16Products>(p, feature, row, prefetcher);
+        dot_tile<W, 1, kFewer>(p, feature, row, prefetcher);
       row += count;
     }
 }
 
 // Picks the row block for `largest` (the biggest of the balanced blocks).
-template <int W, int Registers, int Rows, bool Bf16Products, class Weight>
-[[gnu::always_inline]] inline void dot_rows(const DotProblem<Weight>& p, int begin, int end, int blocks, int largest) {
+template <int W, int Registers, int Rows>
+[[gnu::always_inline]] inline void dot_rows(const DotProblem& p, int begin, int end, int blocks, int largest) {
   if constexpr (Rows > 1)
-    if (largest < Rows) return dot_rows<W, Registers, Rows - 1, Bf16Products>(p, begin, end, blocks, largest);
-  dot_features<W, Registers, Rows, Bf16Products>(p, begin, end, blocks);
+    if (largest < Rows) return dot_rows<W, Registers, Rows - 1>(p, begin, end, blocks, largest);
+  dot_features<W, Registers, Rows>(p, begin, end, blocks);
 }
 
 // One chunk of output features. Registers: the instruction set's vector
-// registers, less one or two for the compiler; MaxRows: the row block;
-// Bf16Products: AVX-512 BF16 dot products (dot_tile_bf16_products).
-template <int W, int Registers, int MaxRows, bool Bf16Products, class Weight>
-[[gnu::always_inline]] inline void dot_chunk(const DotProblem<Weight>& p, int chunk) {
+// registers, less one or two for the compiler; MaxRows: the row block.
+template <int W, int Registers, int MaxRows>
+[[gnu::always_inline]] inline void dot_chunk(const DotProblem& p, int chunk) {
   const int begin = chunk * p.chunk_features, end = std::min(p.out_features, begin + p.chunk_features);
   const int blocks = (p.rows + MaxRows - 1) / MaxRows, largest = largest_row_block(p.rows, MaxRows);
-  dot_rows<W, Registers, MaxRows, Bf16Products>(p, begin, end, blocks, largest);
+  dot_rows<W, Registers, MaxRows>(p, begin, end, blocks, largest);
 }
 
-template <const TileShapes& Tiles, class Weight, bool Bf16Products = false>
+template <const TileShapes& Tiles>
 [[gnu::always_inline]] inline void dot_chunk(const void* problem, int chunk) {
-  dot_chunk<Tiles.width, Tiles.dot_registers, Tiles.dot_max_rows, Bf16Products>(
-      *static_cast<const DotProblem<Weight>*>(problem), chunk);
+  dot_chunk<Tiles.width, Tiles.dot_registers, Tiles.dot_max_rows>(*static_cast<const DotProblem*>(problem), chunk);
 }
-__attribute__((target("arch=x86-64-v4,avx512bf16"))) void dot_chunk_avx512_bf16(const void* problem, int chunk) {
-  dot_chunk<kAvx512Tiles, uint16_t, true>(problem, chunk);
-}
-template <class Weight>
 __attribute__((target("arch=x86-64-v4"))) void dot_chunk_avx512(const void* problem, int chunk) {
-  dot_chunk<kAvx512Tiles, Weight>(problem, chunk);
+  dot_chunk<kAvx512Tiles>(problem, chunk);
 }
-template <class Weight>
 __attribute__((target("arch=x86-64-v3"))) void dot_chunk_avx2(const void* problem, int chunk) {
-  dot_chunk<kAvx2Tiles, Weight>(problem, chunk);
+  dot_chunk<kAvx2Tiles>(problem, chunk);
 }
-template <class Weight>
-void dot_chunk_baseline(const void* problem, int chunk) {
-  dot_chunk<kBaselineTiles, Weight>(problem, chunk);
-}
+void dot_chunk_baseline(const void* problem, int chunk) { dot_chunk<kBaselineTiles>(problem, chunk); }
 
 // ---- [in, out]: axpy tiles -----------------------------------------------------
 
-template <class Weight>  // float, or uint16_t for bf16 bits (as DotProblem)
+template <class Weight>  // float, or uint16_t for the bits of a bf16 weight (widened exactly as they are read)
 struct AxpyProblem {
   float* out;
   const float* x;
@@ -389,6 +295,9 @@ template <int W, int Vectors, int Rows, class Weight>
 #pragma GCC unroll 16
     for (int v = 0; v < Vectors; ++v) store(p.out + long(row + r) * stride + column + v * W, sums[r][v]);
 }
+
+[[gnu::always_inline]] inline float widen(float value) { return value; }
+[[gnu::always_inline]] inline float widen(uint16_t bits) { return bf16_to_f32(bits); }
 
 // Fewer than W columns: scalar.
 template <int Rows, class Weight>
@@ -468,6 +377,166 @@ void axpy_chunk_baseline(const void* problem, int chunk) {
   axpy_chunk<kBaselineTiles, Weight>(problem, chunk);
 }
 
+// ---- [out, in] bf16: pairs tiles ------------------------------------------------
+
+// pack_bf16_rows' layout: output features in panels of kPanelFeatures; in a
+// panel, for each pair of inputs (2k, 2k + 1), one 32-bit word per feature
+// holding input 2k's weight in its high half and 2k + 1's in its low half
+// (zero past the last input or feature). A panel is one AVX-512 vector of
+// words per pair, so every vector of a tile streams its own panel front to
+// back, 64 bytes a pair; the hardware prefetcher keeps up (software prefetch
+// 8-96 pairs ahead measured the same). Panels of 32 features, split between
+// tiles of 3 or 5 vectors, were 10-20% slower cold. Activations are rounded
+// to bf16 and paired into the same words, a row of pairs per activation row.
+constexpr int kPanelFeatures = 16;
+
+struct PairsProblem {
+  float* out;
+  const uint32_t* x;       // [rows, pairs] activation pairs
+  const uint32_t* weight;  // the panels
+  const float* bias;
+  int rows, pairs, out_features;
+  int chunk_features;  // output features per chunk of the pool
+};
+
+// Weight vectors per pairs tile of `rows` rows. AVX-512 BF16 (Dot): the
+// accumulators, the weight vectors and one broadcast pair; widening: each
+// weight vector is two float vectors (its words' high and low halves) and
+// the pair two broadcasts.
+constexpr int pairs_vectors_for(int registers, int rows, bool dot) {
+  return std::clamp(dot ? (registers - 1) / (rows + 1) : (registers - 2) / (rows + 2), 1, 8);
+}
+
+template <class V, class U>
+[[gnu::always_inline]] inline V as_floats(U words) {
+  V value;
+  std::memcpy(&value, &words, sizeof value);
+  return value;
+}
+
+// out[r, f] = bias[f] + Σ_i x[r, i] weight[f, i], the sum taken in the order
+// of i, for Vectors * W features from `feature` and Rows rows from `row`.
+// Dot: vdpbf16ps, which adds the high halves' product, then the low halves',
+// each product of two bf16 exact in f32; widening: the same two FMAs.
+template <int W, int Vectors, int Rows, bool Dot>
+[[gnu::always_inline]] inline void pairs_tile(const PairsProblem& p, int feature, int row) {
+  using V = typename Floats<W>::Vector;
+  using U = typename Words<W>::Vector;
+  const long panel_words = long(p.pairs) * kPanelFeatures;
+  const uint32_t* streams[Vectors];  // vector v's words for pair 0, then every kPanelFeatures words
+#pragma GCC unroll 16
+  for (int v = 0; v < Vectors; ++v) {
+    const int f = feature + v * W;
+    streams[v] = p.weight + f / kPanelFeatures * panel_words + f % kPanelFeatures;
+  }
+  const uint32_t* x = p.x + long(row) * p.pairs;
+  V sums[Rows][Vectors];
+#pragma GCC unroll 64
+  for (int r = 0; r < Rows; ++r)
+#pragma GCC unroll 64
+    for (int v = 0; v < Vectors; ++v) sums[r][v] = V{};
+  for (long k = 0; k < p.pairs; ++k) {
+    if constexpr (Dot) {
+      static_assert(W == 16);
+      typedef short Bf16Pairs __attribute__((vector_size(64)));  // __m512bh
+      Bf16Pairs w[Vectors];
+#pragma GCC unroll 16
+      for (int v = 0; v < Vectors; ++v) std::memcpy(&w[v], streams[v] + k * kPanelFeatures, sizeof w[v]);
+#pragma GCC unroll 16
+      for (int r = 0; r < Rows; ++r) {
+        const U pair = U{} + x[r * p.pairs + k];
+        Bf16Pairs activation;
+        std::memcpy(&activation, &pair, sizeof activation);
+#pragma GCC unroll 16
+        for (int v = 0; v < Vectors; ++v) sums[r][v] = __builtin_ia32_dpbf16ps_v16sf(sums[r][v], activation, w[v]);
+      }
+    } else {
+      V high[Vectors], low[Vectors];
+#pragma GCC unroll 16
+      for (int v = 0; v < Vectors; ++v) {
+        U words;
+        std::memcpy(&words, streams[v] + k * kPanelFeatures, sizeof words);
+        high[v] = as_floats<V>(words & 0xffff0000u);
+        low[v] = as_floats<V>(words << 16);
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < Rows; ++r) {
+        const uint32_t pair = x[r * p.pairs + k];
+        const float x_high = bf16_to_f32(uint16_t(pair >> 16)), x_low = bf16_to_f32(uint16_t(pair));
+#pragma GCC unroll 16
+        for (int v = 0; v < Vectors; ++v) sums[r][v] += high[v] * x_high;
+#pragma GCC unroll 16
+        for (int v = 0; v < Vectors; ++v) sums[r][v] += low[v] * x_low;
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r)
+#pragma GCC unroll 16
+    for (int v = 0; v < Vectors; ++v) {
+      const int f = feature + v * W;
+      float* out = p.out + long(row + r) * p.out_features + f;
+      V sum = sums[r][v];
+      if (f + W <= p.out_features) {
+        if (p.bias) sum += load<V>(p.bias + f);
+        store(out, sum);
+      } else {  // the last features: the rest of the vector is the panel's padding
+        for (int j = 0; f + j < p.out_features; ++j) out[j] = p.bias ? sum[j] + p.bias[f + j] : sum[j];
+      }
+    }
+}
+
+// Vectors * W features from `feature` against all rows, in balanced row
+// blocks of Rows or Rows - 1; the later blocks reread the tile's panels from
+// L1/L2.
+template <int W, int Vectors, int Rows, bool Dot>
+[[gnu::always_inline]] inline void pairs_column_tile(const PairsProblem& p, int feature, int blocks) {
+  for (int block = 0, row = 0; block < blocks; ++block) {
+    const int count = (p.rows - row) / (blocks - block) + ((p.rows - row) % (blocks - block) != 0);
+    if (count == Rows)
+      pairs_tile<W, Vectors, Rows, Dot>(p, feature, row);
+    else
+      pairs_tile<W, Vectors, (Rows > 1 ? Rows - 1 : 1), Dot>(p, feature, row);
+    row += count;
+  }
+}
+
+// Features [begin, end): multiples of W, but for `end` at out_features.
+template <int W, int Registers, int Rows, bool Dot>
+[[gnu::always_inline]] inline void pairs_features(const PairsProblem& p, int begin, int end, int blocks) {
+  constexpr int kVectors = pairs_vectors_for(Registers, Rows, Dot);
+  int feature = begin;
+  for (; feature + kVectors * W <= end; feature += kVectors * W)
+    pairs_column_tile<W, kVectors, Rows, Dot>(p, feature, blocks);
+  for (; feature < end; feature += W) pairs_column_tile<W, 1, Rows, Dot>(p, feature, blocks);
+}
+
+template <int W, int Registers, int Rows, bool Dot>
+[[gnu::always_inline]] inline void pairs_rows(const PairsProblem& p, int begin, int end, int blocks, int largest) {
+  if constexpr (Rows > 1)
+    if (largest < Rows) return pairs_rows<W, Registers, Rows - 1, Dot>(p, begin, end, blocks, largest);
+  pairs_features<W, Registers, Rows, Dot>(p, begin, end, blocks);
+}
+
+template <const TileShapes& Tiles, bool Dot = false>
+[[gnu::always_inline]] inline void pairs_chunk(const void* problem, int chunk) {
+  const PairsProblem& p = *static_cast<const PairsProblem*>(problem);
+  const int begin = chunk * p.chunk_features, end = std::min(p.out_features, begin + p.chunk_features);
+  const int blocks = (p.rows + Tiles.axpy_max_rows - 1) / Tiles.axpy_max_rows;
+  pairs_rows<Tiles.width, Tiles.axpy_registers, Tiles.axpy_max_rows, Dot>(
+      p, begin, end, blocks, largest_row_block(p.rows, Tiles.axpy_max_rows));
+}
+__attribute__((target("arch=x86-64-v4,avx512bf16"))) void pairs_chunk_avx512_bf16(const void* problem, int chunk) {
+  pairs_chunk<kAvx512Tiles, true>(problem, chunk);
+}
+__attribute__((target("arch=x86-64-v4"))) void pairs_chunk_avx512(const void* problem, int chunk) {
+  pairs_chunk<kAvx512Tiles>(problem, chunk);
+}
+__attribute__((target("arch=x86-64-v3"))) void pairs_chunk_avx2(const void* problem, int chunk) {
+  pairs_chunk<kAvx2Tiles>(problem, chunk);
+}
+void pairs_chunk_baseline(const void* problem, int chunk) { pairs_chunk<kBaselineTiles>(problem, chunk); }
+
 // ---- dispatch ---------------------------------------------------------------------
 
 MatmulIsa widest_supported() {
@@ -499,48 +568,25 @@ int chunk_size(long work, int out_features, int granule) {
   return int((granules + most_chunks - 1) / most_chunks) * granule;
 }
 
-template <class Weight>
-void dot_forward(float* out, const float* x, const Weight* weight, const float* bias, int rows, int in_features,
-                 int out_features, const uint16_t* x_pairs = nullptr) {
-  if (rows <= 0 || out_features <= 0) return;
-  DotProblem<Weight> problem{out, x, weight, bias, rows, in_features, out_features, 0, x_pairs};
-  const TileShapes& tiles = tile_shapes(matmul_isa());
-  const int tile_features = dot_features_for(tiles.dot_registers, largest_row_block(rows, tiles.dot_max_rows));
-  problem.chunk_features = chunk_size(long(rows) * in_features * out_features, out_features, tile_features);
-  const int chunks = (out_features + problem.chunk_features - 1) / problem.chunk_features;
-  ParallelTask task = for_matmul_isa(dot_chunk_avx512<Weight>, dot_chunk_avx2<Weight>, dot_chunk_baseline<Weight>);
-  if constexpr (std::is_same_v<Weight, uint16_t>)
-    if (x_pairs) task = dot_chunk_avx512_bf16;
-  parallel_run(task, &problem, chunks);
-}
-
-// One row of `in` bf16 values, bits_of(i) the i-th, laid out in
-// pack_bf16_rows' pairs.
-template <class BitsOf>
-void pair_row(uint16_t* destination, int in, BitsOf bits_of) {
-  int i = 0;
-  for (; i + 32 <= in; i += 32)
-    for (int j = 0; j < 16; ++j) {  // word j: value 16 + j in the low half, value j in the high (little-endian)
-      destination[i + 2 * j] = bits_of(i + 16 + j);
-      destination[i + 2 * j + 1] = bits_of(i + j);
-    }
-  for (; i < in; ++i) destination[i] = bits_of(i);
-}
-
 // A product's activations rounded to bf16, per calling thread (the pool's
-// workers read the caller's): as f32 values, for the widening tiles and
-// sgemm, or in pairs, for the AVX-512 BF16 tile.
+// workers read the caller's): as f32 values, for sgemm, or in pairs, for the
+// pairs tiles.
 const float* rounded_to_bf16(const float* x, long count) {
   thread_local std::vector<float> rounded;
   rounded.resize(size_t(count));
   for (long i = 0; i < count; ++i) rounded[size_t(i)] = bf16_to_f32(f32_to_bf16(x[i]));
   return rounded.data();
 }
-const uint16_t* paired_bf16(const float* x, int rows, int in) {
-  thread_local std::vector<uint16_t> pairs;
-  pairs.resize(size_t(rows) * in);
+const uint32_t* bf16_pairs(const float* x, int rows, int in) {
+  thread_local std::vector<uint32_t> pairs;
+  const int count = (in + 1) / 2;
+  pairs.resize(size_t(rows) * count);
   for (long row = 0; row < rows; ++row)
-    pair_row(pairs.data() + row * in, in, [&](int i) { return f32_to_bf16(x[row * in + i]); });
+    for (int k = 0; k < count; ++k) {
+      const float* source = x + row * in + 2 * k;
+      const uint32_t low = 2 * k + 1 < in ? f32_to_bf16(source[1]) : 0;
+      pairs[size_t(row) * count + k] = uint32_t(f32_to_bf16(source[0])) << 16 | low;
+    }
   return pairs.data();
 }
 
@@ -570,27 +616,52 @@ const char* matmul_isa_name(MatmulIsa isa) {
   }
 }
 
-std::vector<uint16_t> pack_bf16_rows(const float* weight, int out_features, int in_features) {
-  std::vector<uint16_t> bits = exact_bf16(weight, size_t(out_features) * in_features);
-  if (bits.empty()) return bits;
-  std::vector<uint16_t> packed(bits.size());
-  for (long row = 0; row < out_features; ++row)
-    pair_row(packed.data() + row * in_features, in_features, [&](int i) { return bits[row * in_features + i]; });
-  return packed;
-}
-
 void matmul_forward_small_rows(float* out, const float* x, const float* weight, const float* bias, int rows,
                                int in_features, int out_features) {
-  dot_forward(out, x, weight, bias, rows, in_features, out_features);
+  if (rows <= 0 || out_features <= 0) return;
+  DotProblem problem{out, x, weight, bias, rows, in_features, out_features, 0};
+  const TileShapes& tiles = tile_shapes(matmul_isa());
+  const int tile_features = dot_features_for(tiles.dot_registers, largest_row_block(rows, tiles.dot_max_rows));
+  problem.chunk_features = chunk_size(long(rows) * in_features * out_features, out_features, tile_features);
+  const int chunks = (out_features + problem.chunk_features - 1) / problem.chunk_features;
+  parallel_run(for_matmul_isa(dot_chunk_avx512, dot_chunk_avx2, dot_chunk_baseline), &problem, chunks);
+}
+
+std::vector<uint16_t> pack_bf16_rows(const float* weight, int out_features, int in_features) {
+  const std::vector<uint16_t> bits = exact_bf16(weight, size_t(out_features) * in_features);
+  if (bits.empty()) return bits;
+  const long pairs = (in_features + 1) / 2, panels = (out_features + kPanelFeatures - 1) / kPanelFeatures;
+  std::vector<uint16_t> packed(size_t(panels * pairs * kPanelFeatures * 2), 0);
+  for (long feature = 0; feature < out_features; ++feature)
+    for (long i = 0; i < in_features; ++i) {
+      const long word = (feature / kPanelFeatures * pairs + i / 2) * kPanelFeatures + feature % kPanelFeatures;
+      packed[size_t(2 * word + (i % 2 == 0))] = bits[size_t(feature * in_features + i)];  // input 2k: the high half
+    }
+  return packed;
 }
 
 void matmul_forward_small_rows(float* out, const float* x, const uint16_t* weight, const float* bias, int rows,
                                int in_features, int out_features) {
   if (rows <= 0 || out_features <= 0) return;
-  if (matmul_isa() == MatmulIsa::Avx512Bf16)
-    dot_forward(out, nullptr, weight, bias, rows, in_features, out_features, paired_bf16(x, rows, in_features));
-  else
-    dot_forward(out, rounded_to_bf16(x, long(rows) * in_features), weight, bias, rows, in_features, out_features);
+  const MatmulIsa isa = matmul_isa();
+  PairsProblem problem{out,
+                       bf16_pairs(x, rows, in_features),
+                       reinterpret_cast<const uint32_t*>(weight),
+                       bias,
+                       rows,
+                       (in_features + 1) / 2,
+                       out_features,
+                       0};
+  const TileShapes& tiles = tile_shapes(isa);
+  const int tile_features =
+      tiles.width * pairs_vectors_for(tiles.axpy_registers, largest_row_block(rows, tiles.axpy_max_rows),
+                                      isa == MatmulIsa::Avx512Bf16);
+  problem.chunk_features = chunk_size(long(rows) * in_features * out_features, out_features, tile_features);
+  const int chunks = (out_features + problem.chunk_features - 1) / problem.chunk_features;
+  parallel_run(isa == MatmulIsa::Avx512Bf16
+                   ? pairs_chunk_avx512_bf16
+                   : for_matmul_isa(pairs_chunk_avx512, pairs_chunk_avx2, pairs_chunk_baseline),
+               &problem, chunks);
 }
 
 template <class Weight>

@@ -29,26 +29,25 @@ void matmul_forward(float* out, const float* x, const float* weight, const float
 // The same, given also weight_bf16: the same weight's bf16 bit patterns as
 // pack_bf16_rows lays them out, or null. Given them, the product is one of
 // bf16 values, as HF transformers and the CUDA path compute a bf16 model: x
-// is rounded to bf16 (to nearest even) first, the products are exact and
-// accumulate in f32. The small-row kernel reads the bits, half the bytes of
-// the f32 weight, and on a CPU with AVX-512 BF16 multiplies pairs of them
-// with pairs of activations in one instruction (twice the multiply-adds of
-// an f32 FMA: a few-row product is compute-bound on 2 cores); elsewhere it
-// widens both, with the same bits on AVX-512. Above kSmallRowsMax rows,
-// sgemm gets the rounded activations and the f32 weight.
+// is rounded to bf16 (to nearest even), the products (exact in f32) are
+// summed in f32 in the order of `in`, then the bias added: the same bits on
+// every instruction set and for every row count. The small-row kernel reads
+// the bits, half the bytes of the f32 weight; on a CPU with AVX-512 BF16 one
+// instruction multiplies a pair of inputs into 16 features, twice the
+// multiply-adds of an f32 FMA (a few-row product is compute-bound on 2
+// cores). Above kSmallRowsMax rows sgemm gets the rounded activations and
+// the f32 weight (its own order of summation).
 void matmul_forward(float* out, const float* x, const float* weight, const uint16_t* weight_bf16, const float* bias,
                     int rows, int in_features, int out_features);
 
 // An [out, in] weight's bf16 bit patterns laid out for matmul_forward's
 // weight_bf16 when every element is a bf16 value (core/dtype.h, exact_bf16),
-// else empty. In each row every block of 32 values is stored in pairs, 32-bit
-// word j holding value j in its high half and value 16 + j in its low half, so
-// that one vector of words gives two vectors of floats by a mask and a shift
-// (8 rows of the demo target's 384 -> 1408, compute-bound with bf16 weights,
-// ran 141 GFLOP/s from 16-bit lanes and 157 from pairs, as fast as from f32;
-// docs/PERF.md), and AVX-512 BF16's dot product of two such words adds the
-// high halves' product first, as the widening kernel adds value j's first.
-// A row's last in % 32 values stay in order.
+// else empty. Output features go in panels of 16, zero-padded; in a panel,
+// each pair of inputs (2k, 2k + 1) has a 32-bit word per feature, input 2k's
+// weight in its high half and 2k + 1's in its low half (zero past the last
+// input). A tile of output features then streams its panels front to back,
+// and AVX-512 BF16's dot product of a weight word with an activation word
+// adds input 2k's product before 2k + 1's.
 std::vector<uint16_t> pack_bf16_rows(const float* weight, int out_features, int in_features);
 
 // What matmul_forward takes for weight_bf16: the bits, or null for none.

@@ -68,23 +68,6 @@ template <class V>
   return value;
 }
 
-// Chunk `chunk` (0 .. 32/W - 1: values chunk*W ..) of a block of 32 bf16
-// values stored in pairs, 16 words with value j in word j's high half and
-// value 16 + j in its low half (cpu::pack_bf16_rows): a word's high half is
-// already the f32 of its value, its low half shifted up is the other's. A
-// mask or a shift per vector of floats, where 16-bit lanes take a widening
-// shuffle and a shift.
-template <class V>
-[[gnu::always_inline]] inline V load_paired(const uint16_t* block, int chunk) {
-  constexpr int W = sizeof(V) / sizeof(float), kLoads = 16 / W;  // word loads per block
-  typename Words<W>::Vector words;
-  std::memcpy(&words, block + 2 * W * (chunk % kLoads), sizeof words);
-  words = chunk < kLoads ? words & 0xffff0000u : words << 16;
-  V value;
-  std::memcpy(&value, &words, sizeof value);
-  return value;
-}
-
 template <class V>
 [[gnu::always_inline]] inline void store(float* destination, V value) {
   std::memcpy(destination, &value, sizeof value);
