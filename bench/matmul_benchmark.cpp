@@ -11,8 +11,8 @@
 // its steps.
 //
 // small_rows_bf16 runs the small-row kernel on the weights' bf16 bits (the
-// values rounded to bf16 first; [out, in] in pack_bf16_rows' pairs), as the
-// models' bf16 checkpoints are read.
+// values rounded to bf16 first, in pack_bf16_rows' or pack_bf16_columns'
+// panels), as the models' bf16 checkpoints are read.
 // --isa=avx512 (or avx2, baseline) runs the small-row kernel's narrower builds.
 // --hot runs every shape hot (to see the kernels' arithmetic apart from
 // memory), --cold every shape cold.
@@ -65,11 +65,14 @@ void run(benchmark::State& state, Path path, Layout layout, bool cold) {
   const size_t weight_size = size_t(in) * out;
   const size_t copies = cold ? std::max<size_t>(1, kColdBytes / (weight_size * sizeof(float)) + 1) : 1;
   std::vector<float> weights = random_floats(rng, weight_size * copies);
-  std::vector<uint16_t> weights_bf16;
+  std::vector<std::vector<uint16_t>> weights_bf16;  // one per copy
   if (path == Path::SmallRowsBf16) {
     round_to_bf16(weights);
-    weights_bf16 = layout == Layout::OutIn ? dspark::cpu::pack_bf16_rows(weights.data(), out * int(copies), in)
-                                           : dspark::exact_bf16(weights.data(), weights.size());
+    for (size_t copy = 0; copy < copies; ++copy) {
+      const float* weight = weights.data() + copy * weight_size;
+      weights_bf16.push_back(layout == Layout::OutIn ? dspark::cpu::pack_bf16_rows(weight, out, in)
+                                                     : dspark::cpu::pack_bf16_columns(weight, in, out));
+    }
   }
   const std::vector<float> x = random_floats(rng, size_t(rows) * in);
   const std::vector<float> bias = random_floats(rng, out);
@@ -77,13 +80,10 @@ void run(benchmark::State& state, Path path, Layout layout, bool cold) {
   size_t copy = 0;
   for (auto _ : state) {
     const float* weight = weights.data() + copy * weight_size;
-    const uint16_t* weight_bf16 = weights_bf16.data() + copy * weight_size;
+    const uint16_t* weight_bf16 = path == Path::SmallRowsBf16 ? weights_bf16[copy].data() : nullptr;
     if (++copy == copies) copy = 0;
-    if (path == Path::SmallRowsBf16) {
-      if (layout == Layout::OutIn)
-        dspark::cpu::matmul_forward_small_rows(y.data(), x.data(), weight_bf16, nullptr, rows, in, out);
-      else
-        dspark::cpu::matmul_in_out_forward_small_rows(y.data(), x.data(), weight_bf16, rows, in, out);
+    if (path == Path::SmallRowsBf16) {  // either layout's panels: the same kernel
+      dspark::cpu::matmul_forward_small_rows(y.data(), x.data(), weight_bf16, nullptr, rows, in, out);
     } else if (layout == Layout::OutIn) {
       if (path == Path::Blas)
         dspark::cpu::matmul_forward_blas(y.data(), x.data(), weight, nullptr, rows, in, out);

@@ -1,6 +1,6 @@
-// A fixture for tests of the CPU kernels that switch instruction sets or
-// thread counts: it lists the instruction sets this machine runs and restores
-// the ones the process started with, whatever a test picked.
+// A fixture for tests of the CPU kernels that switch instruction sets, thread
+// counts or bf16 products: it lists the instruction sets this machine runs and
+// restores the settings the process started with, whatever a test picked.
 #pragma once
 #include <gtest/gtest.h>
 
@@ -16,6 +16,7 @@ class IsaTest : public ::testing::Test {
   void TearDown() override {
     cpu::set_matmul_isa(initial_isa_);
     cpu::set_parallel_threads(initial_threads_);
+    cpu::set_bf16_products(initial_bf16_products_);
   }
   std::vector<cpu::MatmulIsa> supported() const {
     std::vector<cpu::MatmulIsa> isas;
@@ -28,6 +29,7 @@ class IsaTest : public ::testing::Test {
  private:
   cpu::MatmulIsa initial_isa_ = cpu::matmul_isa();
   int initial_threads_ = cpu::parallel_threads();
+  bool initial_bf16_products_ = cpu::bf16_products();
 };
 
 }  // namespace dspark::testing

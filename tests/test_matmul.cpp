@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -139,65 +140,78 @@ TEST_F(MatmulTest, DispatchMatchesReferenceAroundTheRowLimit) {
     }
 }
 
-// A bf16 weight read as bf16 bits (half the bytes). [out, in], in
-// pack_bf16_rows' panels: a product of bf16 values, bit for bit the f32 sum of
-// the exact products of the rounded activations and the weights in the order
-// of `in`, then the bias (on AVX-512 BF16 by its dot-product instruction),
-// and above the small-row limit sgemm's on the same rounded activations.
-// [in, out]: exactly the f32 widening's bits on the unrounded activations.
-// Odd and even `in`, features that fill no panel, one panel, and several;
-// row counts the tiles split differently; every instruction set. exact_bf16
-// and pack_bf16_rows take a weight apart only when it is bf16.
-TEST_F(MatmulTest, Bf16WeightsGiveTheBitsOfTheirF32Widening) {
+// A bf16 weight read as bf16 bits (half the bytes), in pack_bf16_rows' panels
+// ([out, in]) or pack_bf16_columns' (the same panels from [in, out]): each
+// output is the f32 sum of the products in the order of `in`, an FMA per
+// input, then the bias, bit for bit on every instruction set with FMA (the
+// baseline's separate multiply and add: within rounding). With bf16 products
+// the activations are rounded to bf16 first, every product is exact, and the
+// bits are the same on every instruction set (AVX-512 BF16: its dot-product
+// instruction). Above the small-row limit: sgemm's bits on the same
+// activations. Odd and even `in`, features that fill no panel, one panel,
+// and several; row counts the tiles split differently. exact_bf16 and the
+// packing take a weight apart only when it is bf16.
+TEST_F(MatmulTest, Bf16WeightsSumTheirProductsInOrder) {
   Rng rng(15);
   auto bf16_case = [&](int rows, int in, int out, bool with_bias) {
     Case c = make_case(rng, rows, in, out, with_bias);
     for (float& w : c.weight) w = bf16_to_f32(f32_to_bf16(w));
     return c;
   };
-  auto rounded = [](std::vector<float> values) {
-    for (float& value : values) value = bf16_to_f32(f32_to_bf16(value));
-    return values;
-  };
-  auto sequential_sums = [](const Case& c, const std::vector<float>& x) {  // [out, in] weight, x rounded
+  auto sequential_sums = [](const Case& c, const std::vector<float>& x) {  // [out, in] weight
     std::vector<float> out(size_t(c.rows) * c.out);
     for (int r = 0; r < c.rows; ++r)
       for (int o = 0; o < c.out; ++o) {
         float sum = 0.0f;
-        for (int i = 0; i < c.in; ++i)
-          sum += x[size_t(r) * c.in + i] * c.weight[size_t(o) * c.in + i];  // exact products
+        for (int i = 0; i < c.in; ++i) sum = std::fma(x[size_t(r) * c.in + i], c.weight[size_t(o) * c.in + i], sum);
         out[size_t(r) * c.out + o] = c.bias.empty() ? sum : sum + c.bias[o];
       }
     return out;
   };
-  for (MatmulIsa isa : supported()) {
-    cpu::set_matmul_isa(isa);
-    SCOPED_TRACE(cpu::matmul_isa_name(isa));
-    for (int rows : {1, 2, 3, 4, 5, 8, 9, 16, 17, cpu::kSmallRowsMax + 1})
-      for (const auto& [in, out] : {std::pair{7, 5}, std::pair{17, 23}, std::pair{45, 70}, std::pair{48, 9},
-                                    std::pair{384, 16}, std::pair{384, 37}, std::pair{389, 203}})
-        for (bool with_bias : {false, true}) {
-          const Case c = bf16_case(rows, in, out, with_bias);
-          const std::vector<uint16_t> bits = exact_bf16(c.weight.data(), c.weight.size());
-          const std::vector<uint16_t> panels = cpu::pack_bf16_rows(c.weight.data(), out, in);
-          ASSERT_EQ(bits.size(), c.weight.size());
-          ASSERT_EQ(panels.size(), size_t((out + 15) / 16 * 16) * ((in + 1) / 2 * 2));
-          const float* bias = c.bias.empty() ? nullptr : c.bias.data();
-          const std::vector<float> x_bf16 = rounded(c.x);
-          std::vector<float> expected(size_t(rows) * out, std::nanf("")), got(expected.size(), std::nanf(""));
-          if (rows <= cpu::kSmallRowsMax)
-            expected = sequential_sums(c, x_bf16);
-          else
-            cpu::matmul_forward_blas(expected.data(), x_bf16.data(), c.weight.data(), bias, rows, in, out);
-          cpu::matmul_forward(got.data(), c.x.data(), c.weight.data(), panels.data(), bias, rows, in, out);
-          EXPECT_EQ(got, expected) << "[out, in] rows " << rows << " in " << in << " out " << out;
-          if (with_bias || rows > cpu::kSmallRowsMax) continue;  // [in, out] has no bias; the weight seen as [in, out]
-          std::vector<float> widened(size_t(rows) * out, std::nanf("")), halves(widened.size(), std::nanf(""));
-          cpu::matmul_in_out_forward_small_rows(widened.data(), c.x.data(), c.weight.data(), rows, in, out);
-          cpu::matmul_in_out_forward(halves.data(), c.x.data(), c.weight.data(), bits.data(), rows, in, out);
-          EXPECT_EQ(halves, widened) << "[in, out] rows " << rows << " in " << in << " out " << out;
-        }
-  }
+  for (bool bf16_products : {false, true})
+    for (MatmulIsa isa : supported()) {
+      cpu::set_bf16_products(bf16_products);
+      cpu::set_matmul_isa(isa);
+      SCOPED_TRACE(std::string(cpu::matmul_isa_name(isa)) + (bf16_products ? ", bf16 products" : ""));
+      const bool exact = bf16_products || isa != MatmulIsa::Baseline;
+      for (int rows : {1, 2, 3, 4, 5, 8, 9, 16, 17, cpu::kSmallRowsMax + 1})
+        for (const auto& [in, out] : {std::pair{7, 5}, std::pair{17, 23}, std::pair{45, 70}, std::pair{48, 9},
+                                      std::pair{384, 16}, std::pair{384, 37}, std::pair{389, 203}})
+          for (bool with_bias : {false, true}) {
+            const Case c = bf16_case(rows, in, out, with_bias);
+            const std::vector<uint16_t> panels = cpu::pack_bf16_rows(c.weight.data(), out, in);
+            ASSERT_EQ(panels.size(), size_t((out + 15) / 16 * 16) * ((in + 1) / 2 * 2));
+            const float* bias = c.bias.empty() ? nullptr : c.bias.data();
+            Case multiplied = c;  // what is multiplied: x, rounded with bf16 products
+            if (bf16_products)
+              for (float& value : multiplied.x) value = bf16_to_f32(f32_to_bf16(value));
+            std::vector<float> expected(size_t(rows) * out, std::nanf("")), got(expected.size(), std::nanf(""));
+            if (rows <= cpu::kSmallRowsMax)
+              expected = sequential_sums(multiplied, multiplied.x);
+            else
+              cpu::matmul_forward_blas(expected.data(), multiplied.x.data(), c.weight.data(), bias, rows, in, out);
+            cpu::matmul_forward(got.data(), c.x.data(), c.weight.data(), panels.data(), bias, rows, in, out);
+            const std::string where =
+                "rows " + std::to_string(rows) + " in " + std::to_string(in) + " out " + std::to_string(out);
+            if (exact || rows > cpu::kSmallRowsMax)
+              EXPECT_EQ(got, expected) << "[out, in] " << where;
+            else
+              expect_matches_reference(multiplied, Layout::OutIn, got, "[out, in] baseline");
+            if (with_bias) continue;  // [in, out] has no bias
+            // The same weight stored transposed, [in, out].
+            std::vector<float> transposed(c.weight.size());
+            for (int o = 0; o < out; ++o)
+              for (int i = 0; i < in; ++i) transposed[size_t(i) * out + o] = c.weight[size_t(o) * in + i];
+            const std::vector<uint16_t> column_panels = cpu::pack_bf16_columns(transposed.data(), in, out);
+            EXPECT_EQ(column_panels, panels);
+            std::vector<float> from_columns(got.size(), std::nanf(""));
+            if (rows > cpu::kSmallRowsMax)
+              cpu::matmul_in_out_forward_blas(expected.data(), multiplied.x.data(), transposed.data(), rows, in, out);
+            cpu::matmul_in_out_forward(from_columns.data(), c.x.data(), transposed.data(), column_panels.data(), rows,
+                                       in, out);
+            EXPECT_EQ(from_columns, rows > cpu::kSmallRowsMax ? expected : got) << "[in, out] " << where;
+          }
+    }
   std::vector<float> not_bf16 = {1.0f, 1.0f + 1.0f / 1024.0f / 1024.0f};  // the second needs more than 8 bits
   EXPECT_TRUE(exact_bf16(not_bf16.data(), 2).empty());
   EXPECT_EQ(exact_bf16(not_bf16.data(), 1), std::vector<uint16_t>{0x3f80});
@@ -217,30 +231,32 @@ TEST_F(MatmulTest, Bf16WeightsGiveTheBitsOfTheirF32Widening) {
   EXPECT_EQ(packed[word(1, 0, 1) + 1], 0);                   // no feature 17
 }
 
-// The bf16 product is the product of the rounded values: against the
-// double-precision reference on rounded activations, and (AVX-512 BF16) a
-// row gives the same bits alone as among 64, so a verify row equals the same
-// token decoded alone.
-TEST_F(MatmulTest, Bf16ProductsMatchTheReferenceAndDoNotDependOnTheRowCount) {
+// Both ways (f32 activations, and bf16 products) against the double-precision
+// reference on what is multiplied, and a row gives the same bits alone as
+// among 64, so that a verify row equals the same token decoded alone.
+TEST_F(MatmulTest, Bf16WeightsMatchTheReferenceAndDoNotDependOnTheRowCount) {
   Rng rng(16);
-  for (MatmulIsa isa : supported()) {
-    cpu::set_matmul_isa(isa);
-    SCOPED_TRACE(cpu::matmul_isa_name(isa));
-    Case c = make_case(rng, cpu::kSmallRowsMax, 389, 203, true);
-    for (float& w : c.weight) w = bf16_to_f32(f32_to_bf16(w));
-    const std::vector<uint16_t> pairs = cpu::pack_bf16_rows(c.weight.data(), c.out, c.in);
-    std::vector<float> all(size_t(c.rows) * c.out, std::nanf(""));
-    cpu::matmul_forward(all.data(), c.x.data(), c.weight.data(), pairs.data(), c.bias.data(), c.rows, c.in, c.out);
-    Case reference = c;
-    for (float& value : reference.x) value = bf16_to_f32(f32_to_bf16(value));
-    expect_matches_reference(reference, Layout::OutIn, all, "bf16 matmul_forward");
-    for (int row : {0, 7, cpu::kSmallRowsMax - 1}) {
-      std::vector<float> alone(c.out, std::nanf(""));
-      cpu::matmul_forward(alone.data(), c.x.data() + size_t(row) * c.in, c.weight.data(), pairs.data(), c.bias.data(),
-                          1, c.in, c.out);
-      EXPECT_TRUE(std::equal(alone.begin(), alone.end(), all.begin() + size_t(row) * c.out)) << "row " << row;
+  for (bool bf16_products : {false, true})
+    for (MatmulIsa isa : supported()) {
+      cpu::set_bf16_products(bf16_products);
+      cpu::set_matmul_isa(isa);
+      SCOPED_TRACE(std::string(cpu::matmul_isa_name(isa)) + (bf16_products ? ", bf16 products" : ""));
+      Case c = make_case(rng, cpu::kSmallRowsMax, 389, 203, true);
+      for (float& w : c.weight) w = bf16_to_f32(f32_to_bf16(w));
+      const std::vector<uint16_t> panels = cpu::pack_bf16_rows(c.weight.data(), c.out, c.in);
+      std::vector<float> all(size_t(c.rows) * c.out, std::nanf(""));
+      cpu::matmul_forward(all.data(), c.x.data(), c.weight.data(), panels.data(), c.bias.data(), c.rows, c.in, c.out);
+      Case multiplied = c;
+      if (bf16_products)
+        for (float& value : multiplied.x) value = bf16_to_f32(f32_to_bf16(value));
+      expect_matches_reference(multiplied, Layout::OutIn, all, "bf16 matmul_forward");
+      for (int row : {0, 7, cpu::kSmallRowsMax - 1}) {
+        std::vector<float> alone(c.out, std::nanf(""));
+        cpu::matmul_forward(alone.data(), c.x.data() + size_t(row) * c.in, c.weight.data(), panels.data(),
+                            c.bias.data(), 1, c.in, c.out);
+        EXPECT_TRUE(std::equal(alone.begin(), alone.end(), all.begin() + size_t(row) * c.out)) << "row " << row;
+      }
     }
-  }
 }
 
 TEST_F(MatmulTest, ZeroRowsWriteNothing) {

@@ -5,10 +5,16 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "kernels/cpu/matmul.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"dspark: lossless speculative decoding with DSpark drafters"};
   app.require_subcommand(1);
+  app.fallthrough();  // the flags below may follow the verb
+  app.add_flag_callback(
+      "--bf16-products", [] { dspark::cpu::set_bf16_products(true); },
+      "CPU: multiply a bf16 checkpoint's weights with activations rounded to bf16, as HF transformers and the CUDA "
+      "path do (faster, most of all on CPUs with AVX-512 BF16), instead of the f32 reference's f32 activations");
   dspark::cli::add_demo_command(app);
   dspark::cli::add_generate_command(app);
   dspark::cli::add_perplexity_command(app);

@@ -2,6 +2,7 @@
 #pragma once
 #include <map>
 
+#include "kernels/cpu/matmul.h"
 #include "model/target.h"
 #include "model/transformer.h"
 
@@ -11,7 +12,7 @@ class CpuTarget final : public Target {
  public:
   explicit CpuTarget(Transformer model) : model_(std::move(model)) {}
   const ModelConfig& config() const override { return model_.config; }
-  std::string device_description() const override { return "cpu (f32)"; }
+  std::string device_description() const override { return cpu::bf16_products() ? "cpu (bf16 products)" : "cpu (f32)"; }
   int create_sequence(int capacity) override;
   void release_sequence(int sequence) override;
   int sequence_length(int sequence) const override;

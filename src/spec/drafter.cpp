@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "core/file.h"
 #include "core/safetensors.h"
+#include "kernels/cpu/matmul.h"
 
 namespace dspark {
 namespace {
@@ -134,8 +135,8 @@ void keep_bf16_weights(Drafter& drafter) {
   drafter.bf16.clear();
   for (const auto& [name, tensor] : drafter.parameters) {
     if (tensor.shape.size() != 2) continue;  // norms and biases never weigh a product (tables of rows get one too)
-    std::vector<uint16_t> bits = exact_bf16(tensor.data, tensor.numel());
-    if (!bits.empty()) drafter.bf16.emplace(name, std::move(bits));
+    std::vector<uint16_t> panels = cpu::pack_bf16_columns(tensor.data, int(tensor.shape[0]), int(tensor.shape[1]));
+    if (!panels.empty()) drafter.bf16.emplace(name, std::move(panels));
   }
 }
 

@@ -54,9 +54,10 @@ struct Drafter {
   std::vector<std::string> names;           // parameter (and init) order
   std::map<std::string, Tensor> parameters;  // name -> f32 tensor
   Json metadata = Json::object();           // dspark.json as read: unknown fields survive a save
-  // name -> a matrix's bf16 bit patterns when every element is a bf16 value (a
-  // bf16 checkpoint): few-row products read these, half the bytes, the same
-  // results. Filled for decoding by keep_bf16_weights; empty while training,
+  // name -> a matrix's bf16 bit patterns in cpu::pack_bf16_columns' panels
+  // when every element is a bf16 value (a bf16 checkpoint): its products then
+  // multiply bf16 activations (as the CUDA drafter's do), reading half the
+  // bytes. Filled for decoding by keep_bf16_weights; empty while training,
   // whose updates would leave it stale.
   std::map<std::string, std::vector<uint16_t>> bf16;
 

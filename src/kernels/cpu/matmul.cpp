@@ -12,14 +12,12 @@
 //   [out, in] f32 (matmul_forward): a tile of F weight rows x R activation
 //     rows keeps F*R vector accumulators of partial dot products along `in`,
 //     summed across lanes at the end (the "dot" tile).
-//   [in, out] (matmul_in_out_forward): a tile of R rows x C output columns
-//     keeps R*C/W vector accumulators; each weight row segment is loaded once
-//     and multiplied by R broadcast activations (the "axpy" tile). Its
-//     weights are f32 or the bits of a weight that is exactly bf16, widened
-//     as they are loaded: half the bytes, not one result bit different.
-//   [out, in] bf16 (matmul_forward with weight_bf16): the axpy tile's shape
-//     over bf16 pairs, weights in panels of 32 output features
-//     (pack_bf16_rows), activations rounded to bf16; on AVX-512 BF16 one
+//   [in, out] f32 (matmul_in_out_forward): a tile of R rows x C output
+//     columns keeps R*C/W vector accumulators; each weight row segment is
+//     loaded once and multiplied by R broadcast activations (the "axpy" tile).
+//   bf16, either layout (given weight_bf16): the axpy tile's shape over bf16
+//     pairs, weights in panels of 16 output features (pack_bf16_rows,
+//     pack_bf16_columns), activations rounded to bf16; on AVX-512 BF16 one
 //     vdpbf16ps applies a pair of inputs to 16 features (the "pairs" tile).
 //     Each output is the plain sequential sum over `in`, so it has no
 //     horizontal sums at all, and the same bits on every instruction set.
@@ -75,7 +73,7 @@ using simd::Words;
 struct TileShapes {
   int width;  // floats per vector
   int dot_registers, dot_max_rows;
-  int axpy_registers, axpy_max_rows;
+  int axpy_registers, axpy_max_rows;  // the pairs tiles' too
 };
 constexpr TileShapes kAvx512Tiles{16, 30, 4, 30, 8};
 constexpr TileShapes kAvx2Tiles{8, 15, 3, 15, 4};
@@ -239,11 +237,10 @@ void dot_chunk_baseline(const void* problem, int chunk) { dot_chunk<kBaselineTil
 
 // ---- [in, out]: axpy tiles -----------------------------------------------------
 
-template <class Weight>  // float, or uint16_t for the bits of a bf16 weight (widened exactly as they are read)
 struct AxpyProblem {
   float* out;
   const float* x;
-  const Weight* weight;
+  const float* weight;
   int rows, in, out_features;
   int chunk_columns;  // output columns per chunk of the pool
 };
@@ -260,19 +257,19 @@ constexpr int kAxpyPrefetchRows = 12;
 
 // out[r, c] = Σ_i x[r, i] weight[i, c] for Vectors * W columns from `column`
 // and Rows activation rows from `row`.
-template <int W, int Vectors, int Rows, class Weight>
-[[gnu::always_inline]] inline void axpy_tile(const AxpyProblem<Weight>& p, int column, int row) {
+template <int W, int Vectors, int Rows>
+[[gnu::always_inline]] inline void axpy_tile(const AxpyProblem& p, int column, int row) {
   using V = typename Floats<W>::Vector;
   const int in = p.in;
   const long stride = p.out_features;
   const float* x = p.x + long(row) * in;
-  const Weight* weight = p.weight + column;
+  const float* weight = p.weight + column;
   V sums[Rows][Vectors];
 #pragma GCC unroll 64
   for (int r = 0; r < Rows; ++r)
 #pragma GCC unroll 64
     for (int v = 0; v < Vectors; ++v) sums[r][v] = V{};
-  constexpr int kLines = int(Vectors * W * sizeof(Weight) + 63) / 64 + 1;  // + 1: the stretch may straddle a line
+  constexpr int kLines = int(Vectors * W * sizeof(float) + 63) / 64 + 1;  // + 1: the stretch may straddle a line
   for (int i = 0; i < in; ++i) {
     if constexpr (Rows >= 4)
       if (i + kAxpyPrefetchRows < in) {
@@ -296,23 +293,20 @@ template <int W, int Vectors, int Rows, class Weight>
     for (int v = 0; v < Vectors; ++v) store(p.out + long(row + r) * stride + column + v * W, sums[r][v]);
 }
 
-[[gnu::always_inline]] inline float widen(float value) { return value; }
-[[gnu::always_inline]] inline float widen(uint16_t bits) { return bf16_to_f32(bits); }
-
 // Fewer than W columns: scalar.
-template <int Rows, class Weight>
-[[gnu::always_inline]] inline void axpy_scalar_column(const AxpyProblem<Weight>& p, int column, int row) {
+template <int Rows>
+[[gnu::always_inline]] inline void axpy_scalar_column(const AxpyProblem& p, int column, int row) {
   float sums[Rows] = {};
   for (int i = 0; i < p.in; ++i) {
-    const float w = widen(p.weight[long(i) * p.out_features + column]);
+    const float w = p.weight[long(i) * p.out_features + column];
 #pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) sums[r] += p.x[long(row + r) * p.in + i] * w;
   }
   for (int r = 0; r < Rows; ++r) p.out[long(row + r) * p.out_features + column] = sums[r];
 }
 
-template <int W, int Vectors, int Rows, int Fewer, class Weight>
-[[gnu::always_inline]] inline void axpy_column_tile(const AxpyProblem<Weight>& p, int column, int blocks) {
+template <int W, int Vectors, int Rows, int Fewer>
+[[gnu::always_inline]] inline void axpy_column_tile(const AxpyProblem& p, int column, int blocks) {
   for (int block = 0, row = 0; block < blocks; ++block) {
     const int count = (p.rows - row) / (blocks - block) + ((p.rows - row) % (blocks - block) != 0);
     if constexpr (Vectors == 0) {
@@ -333,8 +327,8 @@ template <int W, int Vectors, int Rows, int Fewer, class Weight>
 // Columns [begin, end) against all activation rows in balanced row blocks of
 // Rows or Rows - 1; each column panel of the weight is reused across the row
 // blocks while it is in L1/L2.
-template <int W, int Registers, int Rows, class Weight>
-[[gnu::always_inline]] inline void axpy_columns(const AxpyProblem<Weight>& p, int begin, int end, int blocks) {
+template <int W, int Registers, int Rows>
+[[gnu::always_inline]] inline void axpy_columns(const AxpyProblem& p, int begin, int end, int blocks) {
   constexpr int kVectors = axpy_vectors_for(Registers, Rows);
   constexpr int kFewer = Rows > 1 ? Rows - 1 : 1;
   int column = begin;
@@ -344,38 +338,31 @@ template <int W, int Registers, int Rows, class Weight>
   for (; column < end; ++column) axpy_column_tile<W, 0, Rows, kFewer>(p, column, blocks);
 }
 
-template <int W, int Registers, int Rows, class Weight>
-[[gnu::always_inline]] inline void axpy_rows(const AxpyProblem<Weight>& p, int begin, int end, int blocks,
-                                             int largest) {
+template <int W, int Registers, int Rows>
+[[gnu::always_inline]] inline void axpy_rows(const AxpyProblem& p, int begin, int end, int blocks, int largest) {
   if constexpr (Rows > 1)
     if (largest < Rows) return axpy_rows<W, Registers, Rows - 1>(p, begin, end, blocks, largest);
   axpy_columns<W, Registers, Rows>(p, begin, end, blocks);
 }
 
-template <int W, int Registers, int MaxRows, class Weight>
-[[gnu::always_inline]] inline void axpy_chunk(const AxpyProblem<Weight>& p, int chunk) {
+template <int W, int Registers, int MaxRows>
+[[gnu::always_inline]] inline void axpy_chunk(const AxpyProblem& p, int chunk) {
   const int begin = chunk * p.chunk_columns, end = std::min(p.out_features, begin + p.chunk_columns);
   const int blocks = (p.rows + MaxRows - 1) / MaxRows, largest = largest_row_block(p.rows, MaxRows);
   axpy_rows<W, Registers, MaxRows>(p, begin, end, blocks, largest);
 }
 
-template <const TileShapes& Tiles, class Weight>
+template <const TileShapes& Tiles>
 [[gnu::always_inline]] inline void axpy_chunk(const void* problem, int chunk) {
-  axpy_chunk<Tiles.width, Tiles.axpy_registers, Tiles.axpy_max_rows>(*static_cast<const AxpyProblem<Weight>*>(problem),
-                                                                     chunk);
+  axpy_chunk<Tiles.width, Tiles.axpy_registers, Tiles.axpy_max_rows>(*static_cast<const AxpyProblem*>(problem), chunk);
 }
-template <class Weight>
 __attribute__((target("arch=x86-64-v4"))) void axpy_chunk_avx512(const void* problem, int chunk) {
-  axpy_chunk<kAvx512Tiles, Weight>(problem, chunk);
+  axpy_chunk<kAvx512Tiles>(problem, chunk);
 }
-template <class Weight>
 __attribute__((target("arch=x86-64-v3"))) void axpy_chunk_avx2(const void* problem, int chunk) {
-  axpy_chunk<kAvx2Tiles, Weight>(problem, chunk);
+  axpy_chunk<kAvx2Tiles>(problem, chunk);
 }
-template <class Weight>
-void axpy_chunk_baseline(const void* problem, int chunk) {
-  axpy_chunk<kBaselineTiles, Weight>(problem, chunk);
-}
+void axpy_chunk_baseline(const void* problem, int chunk) { axpy_chunk<kBaselineTiles>(problem, chunk); }
 
 // ---- [out, in] bf16: pairs tiles ------------------------------------------------
 
@@ -392,10 +379,11 @@ constexpr int kPanelFeatures = 16;
 
 struct PairsProblem {
   float* out;
-  const uint32_t* x;       // [rows, pairs] activation pairs
-  const uint32_t* weight;  // the panels
+  const float* x;           // [rows, in] activations (the widening tiles)
+  const uint32_t* x_pairs;  // [rows, pairs] activations rounded to bf16, paired (the AVX-512 BF16 tile)
+  const uint32_t* weight;   // the panels
   const float* bias;
-  int rows, pairs, out_features;
+  int rows, in, pairs, out_features;
   int chunk_features;  // output features per chunk of the pool
 };
 
@@ -414,10 +402,38 @@ template <class V, class U>
   return value;
 }
 
+// sums[r][v] += the weights of inputs 2k and (WithLow) 2k + 1 times those
+// activations, in that order: the high and the low halves of the words.
+template <int W, int Vectors, int Rows, bool WithLow, class V>
+[[gnu::always_inline]] inline void widening_pair_step(V (&sums)[Rows][Vectors],
+                                                      const uint32_t* const (&streams)[Vectors], const PairsProblem& p,
+                                                      int row, long k) {
+  using U = typename Words<W>::Vector;
+  V high[Vectors], low[Vectors];
+#pragma GCC unroll 16
+  for (int v = 0; v < Vectors; ++v) {
+    U words;
+    std::memcpy(&words, streams[v] + k * kPanelFeatures, sizeof words);
+    high[v] = as_floats<V>(words & 0xffff0000u);
+    low[v] = as_floats<V>(words << 16);
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r) {
+    const float* x = p.x + long(row + r) * p.in + 2 * k;
+#pragma GCC unroll 16
+    for (int v = 0; v < Vectors; ++v) sums[r][v] += high[v] * x[0];
+    if constexpr (WithLow)
+#pragma GCC unroll 16
+      for (int v = 0; v < Vectors; ++v) sums[r][v] += low[v] * x[1];
+  }
+}
+
 // out[r, f] = bias[f] + Σ_i x[r, i] weight[f, i], the sum taken in the order
 // of i, for Vectors * W features from `feature` and Rows rows from `row`.
-// Dot: vdpbf16ps, which adds the high halves' product, then the low halves',
-// each product of two bf16 exact in f32; widening: the same two FMAs.
+// Widening: an FMA per input (a multiply and an add on the baseline). Dot:
+// vdpbf16ps on bf16 activations, which adds the high halves' product, then
+// the low halves', each product of two bf16 exact in f32: the widening
+// tile's bits on the same rounded activations.
 template <int W, int Vectors, int Rows, bool Dot>
 [[gnu::always_inline]] inline void pairs_tile(const PairsProblem& p, int feature, int row) {
   using V = typename Floats<W>::Vector;
@@ -429,16 +445,16 @@ template <int W, int Vectors, int Rows, bool Dot>
     const int f = feature + v * W;
     streams[v] = p.weight + f / kPanelFeatures * panel_words + f % kPanelFeatures;
   }
-  const uint32_t* x = p.x + long(row) * p.pairs;
   V sums[Rows][Vectors];
 #pragma GCC unroll 64
   for (int r = 0; r < Rows; ++r)
 #pragma GCC unroll 64
     for (int v = 0; v < Vectors; ++v) sums[r][v] = V{};
-  for (long k = 0; k < p.pairs; ++k) {
-    if constexpr (Dot) {
-      static_assert(W == 16);
-      typedef short Bf16Pairs __attribute__((vector_size(64)));  // __m512bh
+  if constexpr (Dot) {
+    static_assert(W == 16);
+    typedef short Bf16Pairs __attribute__((vector_size(64)));  // __m512bh
+    const uint32_t* x = p.x_pairs + long(row) * p.pairs;
+    for (long k = 0; k < p.pairs; ++k) {
       Bf16Pairs w[Vectors];
 #pragma GCC unroll 16
       for (int v = 0; v < Vectors; ++v) std::memcpy(&w[v], streams[v] + k * kPanelFeatures, sizeof w[v]);
@@ -450,25 +466,11 @@ template <int W, int Vectors, int Rows, bool Dot>
 #pragma GCC unroll 16
         for (int v = 0; v < Vectors; ++v) sums[r][v] = __builtin_ia32_dpbf16ps_v16sf(sums[r][v], activation, w[v]);
       }
-    } else {
-      V high[Vectors], low[Vectors];
-#pragma GCC unroll 16
-      for (int v = 0; v < Vectors; ++v) {
-        U words;
-        std::memcpy(&words, streams[v] + k * kPanelFeatures, sizeof words);
-        high[v] = as_floats<V>(words & 0xffff0000u);
-        low[v] = as_floats<V>(words << 16);
-      }
-#pragma GCC unroll 16
-      for (int r = 0; r < Rows; ++r) {
-        const uint32_t pair = x[r * p.pairs + k];
-        const float x_high = bf16_to_f32(uint16_t(pair >> 16)), x_low = bf16_to_f32(uint16_t(pair));
-#pragma GCC unroll 16
-        for (int v = 0; v < Vectors; ++v) sums[r][v] += high[v] * x_high;
-#pragma GCC unroll 16
-        for (int v = 0; v < Vectors; ++v) sums[r][v] += low[v] * x_low;
-      }
     }
+  } else {
+    const long whole_pairs = p.in / 2;
+    for (long k = 0; k < whole_pairs; ++k) widening_pair_step<W, Vectors, Rows, true>(sums, streams, p, row, k);
+    if (whole_pairs < p.pairs) widening_pair_step<W, Vectors, Rows, false>(sums, streams, p, row, whole_pairs);
   }
 #pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r)
@@ -568,9 +570,9 @@ int chunk_size(long work, int out_features, int granule) {
   return int((granules + most_chunks - 1) / most_chunks) * granule;
 }
 
-// A product's activations rounded to bf16, per calling thread (the pool's
-// workers read the caller's): as f32 values, for sgemm, or in pairs, for the
-// pairs tiles.
+// A product's activations rounded to bf16 (bf16_products), per calling
+// thread (the pool's workers read the caller's): as f32 values, for the
+// widening tiles and sgemm, or in pairs, for the AVX-512 BF16 tile.
 const float* rounded_to_bf16(const float* x, long count) {
   thread_local std::vector<float> rounded;
   rounded.resize(size_t(count));
@@ -595,6 +597,14 @@ const uint32_t* bf16_pairs(const float* x, int rows, int in) {
 int matmul_threads() { return parallel_threads(); }
 
 MatmulIsa matmul_isa() { return chosen_isa().load(std::memory_order_relaxed); }
+
+namespace {
+std::atomic<bool> bf16_products_on{false};
+}  // namespace
+
+void set_bf16_products(bool on) { bf16_products_on.store(on, std::memory_order_relaxed); }
+
+bool bf16_products() { return bf16_products_on.load(std::memory_order_relaxed); }
 
 bool matmul_isa_supported(MatmulIsa isa) { return int(isa) <= int(widest_supported()); }
 
@@ -627,7 +637,12 @@ void matmul_forward_small_rows(float* out, const float* x, const float* weight, 
   parallel_run(for_matmul_isa(dot_chunk_avx512, dot_chunk_avx2, dot_chunk_baseline), &problem, chunks);
 }
 
-std::vector<uint16_t> pack_bf16_rows(const float* weight, int out_features, int in_features) {
+namespace {
+
+// The panels of a weight whose element (feature, input) is weight[feature *
+// feature_stride + input * input_stride].
+std::vector<uint16_t> pack_bf16_panels(const float* weight, int out_features, int in_features, long feature_stride,
+                                       long input_stride) {
   const std::vector<uint16_t> bits = exact_bf16(weight, size_t(out_features) * in_features);
   if (bits.empty()) return bits;
   const long pairs = (in_features + 1) / 2, panels = (out_features + kPanelFeatures - 1) / kPanelFeatures;
@@ -635,56 +650,52 @@ std::vector<uint16_t> pack_bf16_rows(const float* weight, int out_features, int 
   for (long feature = 0; feature < out_features; ++feature)
     for (long i = 0; i < in_features; ++i) {
       const long word = (feature / kPanelFeatures * pairs + i / 2) * kPanelFeatures + feature % kPanelFeatures;
-      packed[size_t(2 * word + (i % 2 == 0))] = bits[size_t(feature * in_features + i)];  // input 2k: the high half
+      packed[size_t(2 * word + (i % 2 == 0))] = bits[size_t(feature * feature_stride + i * input_stride)];  // 2k: high
     }
   return packed;
+}
+
+}  // namespace
+
+std::vector<uint16_t> pack_bf16_rows(const float* weight, int out_features, int in_features) {
+  return pack_bf16_panels(weight, out_features, in_features, in_features, 1);
+}
+
+std::vector<uint16_t> pack_bf16_columns(const float* weight, int in_features, int out_features) {
+  return pack_bf16_panels(weight, out_features, in_features, 1, out_features);
 }
 
 void matmul_forward_small_rows(float* out, const float* x, const uint16_t* weight, const float* bias, int rows,
                                int in_features, int out_features) {
   if (rows <= 0 || out_features <= 0) return;
-  const MatmulIsa isa = matmul_isa();
-  PairsProblem problem{out,
-                       bf16_pairs(x, rows, in_features),
-                       reinterpret_cast<const uint32_t*>(weight),
-                       bias,
-                       rows,
-                       (in_features + 1) / 2,
-                       out_features,
-                       0};
-  const TileShapes& tiles = tile_shapes(isa);
+  const bool rounded = bf16_products(), dot = rounded && matmul_isa() == MatmulIsa::Avx512Bf16;
+  PairsProblem problem{out,          x,    nullptr,     reinterpret_cast<const uint32_t*>(weight),
+                       bias,         rows, in_features, (in_features + 1) / 2,
+                       out_features, 0};
+  if (dot)
+    problem.x_pairs = bf16_pairs(x, rows, in_features);
+  else if (rounded)
+    problem.x = rounded_to_bf16(x, long(rows) * in_features);
+  const TileShapes& tiles = tile_shapes(matmul_isa());
   const int tile_features =
-      tiles.width * pairs_vectors_for(tiles.axpy_registers, largest_row_block(rows, tiles.axpy_max_rows),
-                                      isa == MatmulIsa::Avx512Bf16);
+      tiles.width * pairs_vectors_for(tiles.axpy_registers, largest_row_block(rows, tiles.axpy_max_rows), dot);
   problem.chunk_features = chunk_size(long(rows) * in_features * out_features, out_features, tile_features);
   const int chunks = (out_features + problem.chunk_features - 1) / problem.chunk_features;
-  parallel_run(isa == MatmulIsa::Avx512Bf16
-                   ? pairs_chunk_avx512_bf16
-                   : for_matmul_isa(pairs_chunk_avx512, pairs_chunk_avx2, pairs_chunk_baseline),
-               &problem, chunks);
+  parallel_run(
+      dot ? pairs_chunk_avx512_bf16 : for_matmul_isa(pairs_chunk_avx512, pairs_chunk_avx2, pairs_chunk_baseline),
+      &problem, chunks);
 }
 
-template <class Weight>
-void axpy_forward(float* out, const float* x, const Weight* weight, int rows, int in_features, int out_features) {
+void matmul_in_out_forward_small_rows(float* out, const float* x, const float* weight, int rows, int in_features,
+                                      int out_features) {
   if (rows <= 0 || out_features <= 0) return;
-  AxpyProblem<Weight> problem{out, x, weight, rows, in_features, out_features, 0};
+  AxpyProblem problem{out, x, weight, rows, in_features, out_features, 0};
   const TileShapes& tiles = tile_shapes(matmul_isa());
   const int tile_columns =
       tiles.width * axpy_vectors_for(tiles.axpy_registers, largest_row_block(rows, tiles.axpy_max_rows));
   problem.chunk_columns = chunk_size(long(rows) * in_features * out_features, out_features, tile_columns);
   const int chunks = (out_features + problem.chunk_columns - 1) / problem.chunk_columns;
-  parallel_run(for_matmul_isa(axpy_chunk_avx512<Weight>, axpy_chunk_avx2<Weight>, axpy_chunk_baseline<Weight>),
-               &problem, chunks);
-}
-
-void matmul_in_out_forward_small_rows(float* out, const float* x, const float* weight, int rows, int in_features,
-                                      int out_features) {
-  axpy_forward(out, x, weight, rows, in_features, out_features);
-}
-
-void matmul_in_out_forward_small_rows(float* out, const float* x, const uint16_t* weight, int rows, int in_features,
-                                      int out_features) {
-  axpy_forward(out, x, weight, rows, in_features, out_features);
+  parallel_run(for_matmul_isa(axpy_chunk_avx512, axpy_chunk_avx2, axpy_chunk_baseline), &problem, chunks);
 }
 
 void matmul_forward_blas(float* out, const float* x, const float* weight, const float* bias, int rows, int in_features,
@@ -725,9 +736,9 @@ void matmul_forward(float* out, const float* x, const float* weight, const uint1
     matmul_forward(out, x, weight, bias, rows, in_features, out_features);
   else if (rows <= kSmallRowsMax)
     matmul_forward_small_rows(out, x, weight_bf16, bias, rows, in_features, out_features);
-  else  // sgemm on the f32 widening, of the activations rounded as the small-row path rounds them
-    matmul_forward_blas(out, rounded_to_bf16(x, long(rows) * in_features), weight, bias, rows, in_features,
-                        out_features);
+  else  // sgemm on the f32 weight, the activations rounded as the small-row path rounds them
+    matmul_forward_blas(out, bf16_products() ? rounded_to_bf16(x, long(rows) * in_features) : x, weight, bias, rows,
+                        in_features, out_features);
 }
 
 void matmul_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight, int rows,
@@ -751,10 +762,13 @@ void matmul_in_out_forward(float* out, const float* x, const float* weight, int 
 
 void matmul_in_out_forward(float* out, const float* x, const float* weight, const uint16_t* weight_bf16, int rows,
                            int in_features, int out_features) {
-  if (weight_bf16 && rows <= kSmallRowsMax)
-    matmul_in_out_forward_small_rows(out, x, weight_bf16, rows, in_features, out_features);
-  else
+  if (!weight_bf16)
     matmul_in_out_forward(out, x, weight, rows, in_features, out_features);
+  else if (rows <= kSmallRowsMax)
+    matmul_forward_small_rows(out, x, weight_bf16, nullptr, rows, in_features, out_features);
+  else  // as matmul_forward's
+    matmul_in_out_forward_blas(out, bf16_products() ? rounded_to_bf16(x, long(rows) * in_features) : x, weight, rows,
+                               in_features, out_features);
 }
 
 void matmul_in_out_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight, int rows,

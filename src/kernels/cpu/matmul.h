@@ -27,16 +27,15 @@ void matmul_forward(float* out, const float* x, const float* weight, const float
                     int out_features);
 
 // The same, given also weight_bf16: the same weight's bf16 bit patterns as
-// pack_bf16_rows lays them out, or null. Given them, the product is one of
-// bf16 values, as HF transformers and the CUDA path compute a bf16 model: x
-// is rounded to bf16 (to nearest even), the products (exact in f32) are
-// summed in f32 in the order of `in`, then the bias added: the same bits on
-// every instruction set and for every row count. The small-row kernel reads
-// the bits, half the bytes of the f32 weight; on a CPU with AVX-512 BF16 one
-// instruction multiplies a pair of inputs into 16 features, twice the
-// multiply-adds of an f32 FMA (a few-row product is compute-bound on 2
-// cores). Above kSmallRowsMax rows sgemm gets the rounded activations and
-// the f32 weight (its own order of summation).
+// pack_bf16_rows lays them out, or null. The small-row kernel then reads the
+// bits, half the bytes of the f32 weight, and sums the products of each
+// output in the order of `in` (an FMA per input), then adds the bias: the
+// same bits for every row count, and on every instruction set with FMA.
+// With bf16_products() on, x is first rounded to bf16 (to nearest even), so
+// that every product is exact: the same bits on every instruction set, and
+// on a CPU with AVX-512 BF16 one instruction multiplies a pair of inputs into
+// 16 features, twice the multiply-adds of an f32 FMA. Above kSmallRowsMax
+// rows sgemm gets the f32 weight and x (rounded with bf16_products()).
 void matmul_forward(float* out, const float* x, const float* weight, const uint16_t* weight_bf16, const float* bias,
                     int rows, int in_features, int out_features);
 
@@ -49,6 +48,8 @@ void matmul_forward(float* out, const float* x, const float* weight, const uint1
 // and AVX-512 BF16's dot product of a weight word with an activation word
 // adds input 2k's product before 2k + 1's.
 std::vector<uint16_t> pack_bf16_rows(const float* weight, int out_features, int in_features);
+// The same panels for an [in, out] weight (matmul_in_out_forward's).
+std::vector<uint16_t> pack_bf16_columns(const float* weight, int in_features, int out_features);
 
 // What matmul_forward takes for weight_bf16: the bits, or null for none.
 inline const uint16_t* bf16_or_null(const std::vector<uint16_t>& bits) { return bits.empty() ? nullptr : bits.data(); }
@@ -60,10 +61,8 @@ void matmul_backward(float* dx, float* dweight, const float* dout, const float* 
 // out = x @ weight, with weight stored [in, out] (the drafter's layout).
 void matmul_in_out_forward(float* out, const float* x, const float* weight, int rows, int in_features,
                            int out_features);
-// The same with the weight's bf16 bits or null. Unlike matmul_forward's,
-// this one keeps x in f32: the bits are widened exactly, so the results are
-// bit for bit those of the f32 weight (the drafter's own matrices; this
-// layout has no bf16 pairs along `in` to multiply).
+// The same given also the weight's bf16 bits in pack_bf16_columns' panels, or
+// null: then summed exactly as matmul_forward's.
 void matmul_in_out_forward(float* out, const float* x, const float* weight, const uint16_t* weight_bf16, int rows,
                            int in_features, int out_features);
 
@@ -73,21 +72,26 @@ void matmul_in_out_backward(float* dx, float* dweight, const float* dout, const 
 
 // The two paths of each forward, for the benchmark (bench/matmul_benchmark.cpp)
 // and the tests, which run each on shapes the dispatch would not give it.
-// The small-row kernels take any row count; they are fast for few rows. With
-// a bf16 weight the [out, in] one rounds x to bf16 (matmul_forward above).
+// The small-row kernels take any row count; they are fast for few rows. The
+// one for bf16 panels serves either layout's (pack_bf16_rows, _columns).
 void matmul_forward_small_rows(float* out, const float* x, const float* weight, const float* bias, int rows,
                                int in_features, int out_features);
 void matmul_forward_small_rows(float* out, const float* x, const uint16_t* weight, const float* bias, int rows,
                                int in_features, int out_features);
 void matmul_in_out_forward_small_rows(float* out, const float* x, const float* weight, int rows, int in_features,
                                       int out_features);
-void matmul_in_out_forward_small_rows(float* out, const float* x, const uint16_t* weight, int rows, int in_features,
-                                      int out_features);
 // OpenBLAS: sgemv for one row, sgemm otherwise.
 void matmul_forward_blas(float* out, const float* x, const float* weight, const float* bias, int rows, int in_features,
                          int out_features);
 void matmul_in_out_forward_blas(float* out, const float* x, const float* weight, int rows, int in_features,
                                 int out_features);
+
+// Products with bf16 weights round their activations to bf16 first (as HF
+// transformers and the CUDA path compute a bf16 model), process-wide, when
+// on. Off by default: the CPU path is the f32 reference (DESIGN.md). `dspark
+// --bf16-products` turns it on.
+void set_bf16_products(bool on);
+bool bf16_products();
 
 // Threads the small-row kernels split a product over: the calling thread plus
 // the pool's workers (openblas_get_num_threads() in all, read once).
@@ -98,8 +102,8 @@ int matmul_threads();
 // every supported one; the benchmark compares them). Asking for one the CPU
 // lacks fails.
 // SSE2; AVX2 + FMA (x86-64-v3); AVX-512 (x86-64-v4); and AVX-512 BF16, which
-// only the [out, in] products of bf16 weights use (their other kernels are
-// AVX-512's), with the same result bits as AVX-512.
+// only products of bf16 weights with bf16_products() on use (every other
+// kernel is AVX-512's), with the same result bits as AVX-512.
 enum class MatmulIsa { Baseline, Avx2, Avx512, Avx512Bf16 };
 MatmulIsa matmul_isa();
 bool matmul_isa_supported(MatmulIsa isa);
