@@ -373,7 +373,9 @@ TEST_P(Drafting, Bf16CopiesOfTheWeightsGiveTheSameDrafts) {
     ASSERT_EQ(bf16_keys.size(), f32_keys.size());
     for (size_t l = 0; l < f32_keys.size(); ++l)
       EXPECT_LT(relative_difference(bf16_keys[l], f32_keys[l]), tolerance) << "layer " << l;
-    if (bf16_products) EXPECT_GT(relative_difference(bf16_keys[0], f32_keys[0]), 1e-4) << "not rounded";
+    if (bf16_products) {
+      EXPECT_GT(relative_difference(bf16_keys[0], f32_keys[0]), 1e-4) << "not rounded";
+    }
     ASSERT_EQ(bf16_draft.logits.size(), f32_draft.logits.size());
     EXPECT_LT(relative_difference(bf16_draft.logits, f32_draft.logits), tolerance);
     ASSERT_EQ(bf16_draft.confidence.size(), f32_draft.confidence.size());
