@@ -381,7 +381,9 @@ TEST_P(Drafting, Bf16CopiesOfTheWeightsGiveTheSameDrafts) {
     ASSERT_EQ(bf16_draft.confidence.size(), f32_draft.confidence.size());
     for (size_t k = 0; k < f32_draft.confidence.size(); ++k)
       EXPECT_NEAR(bf16_draft.confidence[k], f32_draft.confidence[k], tolerance) << k;
-    if (!bf16_products) EXPECT_EQ(bf16_draft.tokens, f32_draft.tokens);
+    if (!bf16_products) {
+      EXPECT_EQ(bf16_draft.tokens, f32_draft.tokens);
+    }
 
     DraftContext other, context;
     extend_draft_context(drafter_, other, taps_.data(), 4);
