@@ -505,11 +505,12 @@ void PrefixScheduler::CostRatio::add(double ratio) {
 void PrefixScheduler::observe_round(double seconds) {
   CostRatio* timed = std::exchange(timed_, nullptr);
   if (!draft_cost_ || !timed || seconds <= 0.0) return;
-  // A round far off its prediction is a one-off (the CUDA target captures a
-  // step's graph on the shape's second use, ~10x a step), not what the next
-  // rounds will cost: counting it could keep the gate shut for good, since
-  // only rounds where every row drafts are timed against the drafted
-  // prediction.
+  // A round far off its prediction is a one-off, not what the next rounds
+  // will cost: counting it could keep the gate shut for good, since only
+  // rounds where every row drafts are timed against the drafted prediction.
+  // (Rounds that warmed the GPU up, a shape's first eager run or its graph
+  // capture, are not observed at all: Target::warmups. One such round, 3.5x
+  // its prediction, once kept the gate shut for a whole batch-4 run.)
   const double ratio = seconds / predicted_seconds_;
   if (ratio <= kOneOffRatio) timed->add(ratio);
 }

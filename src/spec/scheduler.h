@@ -36,7 +36,8 @@
 // profile's ~0.5). So the gate also times the rounds it runs: the ratio of a
 // drafted round's measured time to the profiles' prediction for it, and of an
 // undrafted round's to a plain step's, each smoothed (a round over 4x its
-// prediction, such as one that captures a graph, is skipped), scale the
+// prediction is skipped, and a round that warmed the GPU up, capturing a
+// graph or running a shape for the first time, is never observed), scale the
 // estimate of later rounds (observe_round). Only at temperature 0
 // (spec/speculative.cpp): a sampling run with a seed must repeat exactly.
 //
@@ -165,9 +166,9 @@ class VerifyScheduler {
   // verify[i] = how many of proposals[i].tokens the round verifies (a prefix).
   // proposals[i].confidence is empty when the source has no confidences.
   virtual void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) = 0;
-  // Told after each round how long it took (drafting, verify and accepts, on
-  // the host's clock). A round's duration does not depend on which tokens it
-  // drew, so later decisions may read it.
+  // Told after each steady round (no device warm-up in it) how long it took
+  // (drafting, verify and accepts, on the host's clock). A round's duration
+  // does not depend on which tokens it drew, so later decisions may read it.
   virtual void observe_round(double /*seconds*/) {}
 };
 

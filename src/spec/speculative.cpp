@@ -152,6 +152,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
         options.scheduler ? size_t(options.scheduler->rows_to_draft(remaining)) : active.size();
     proposals.clear();
     const auto round_start = Clock::now();
+    const uint64_t warmups_before = target.warmups();
     if (drafting > 0)
       source.propose(std::span(active).first(drafting), std::span(pending).first(drafting),
                      std::span(limits).first(drafting), options.sampling, proposals);
@@ -259,7 +260,9 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     // Round times steer the scheduler only at temperature 0: when sampling,
     // its decisions choose which random numbers are drawn, and a seeded run
     // must repeat exactly, which a clock cannot.
-    if (options.scheduler && options.sampling.greedy())
+    // A round that warmed the device up (a shape's first product or graph)
+    // costs what the next rounds will not.
+    if (options.scheduler && options.sampling.greedy() && target.warmups() == warmups_before)
       options.scheduler->observe_round(std::chrono::duration<double>(Clock::now() - round_start).count());
     for (int r : active)
       if (requests[r].done) {
