@@ -147,8 +147,8 @@ TEST_F(MatmulTest, DispatchMatchesReferenceAroundTheRowLimit) {
 // baseline's separate multiply and add: within rounding). With bf16 products
 // the activations are rounded to bf16 first, every product is exact, and the
 // bits are the same on every instruction set (AVX-512 BF16: its dot-product
-// instruction). Above the small-row limit: sgemm's bits on the same
-// activations. Odd and even `in`, features that fill no panel, one panel,
+// instruction), for any row count (the 65 rows sgemm would take for an f32
+// weight included). Odd and even `in`, features that fill no panel, one panel,
 // and several; row counts the tiles split differently. exact_bf16 and the
 // packing take a weight apart only when it is bf16.
 TEST_F(MatmulTest, Bf16WeightsSumTheirProductsInOrder) {
@@ -185,15 +185,12 @@ TEST_F(MatmulTest, Bf16WeightsSumTheirProductsInOrder) {
             Case multiplied = c;  // what is multiplied: x, rounded with bf16 products
             if (bf16_products)
               for (float& value : multiplied.x) value = bf16_to_f32(f32_to_bf16(value));
-            std::vector<float> expected(size_t(rows) * out, std::nanf("")), got(expected.size(), std::nanf(""));
-            if (rows <= cpu::kSmallRowsMax)
-              expected = sequential_sums(multiplied, multiplied.x);
-            else
-              cpu::matmul_forward_blas(expected.data(), multiplied.x.data(), c.weight.data(), bias, rows, in, out);
+            const std::vector<float> expected = sequential_sums(multiplied, multiplied.x);
+            std::vector<float> got(expected.size(), std::nanf(""));
             cpu::matmul_forward(got.data(), c.x.data(), c.weight.data(), panels.data(), bias, rows, in, out);
             const std::string where =
                 "rows " + std::to_string(rows) + " in " + std::to_string(in) + " out " + std::to_string(out);
-            if (exact || rows > cpu::kSmallRowsMax)
+            if (exact)
               EXPECT_EQ(got, expected) << "[out, in] " << where;
             else
               expect_matches_reference(multiplied, Layout::OutIn, got, "[out, in] baseline");
@@ -205,11 +202,9 @@ TEST_F(MatmulTest, Bf16WeightsSumTheirProductsInOrder) {
             const std::vector<uint16_t> column_panels = cpu::pack_bf16_columns(transposed.data(), in, out);
             EXPECT_EQ(column_panels, panels);
             std::vector<float> from_columns(got.size(), std::nanf(""));
-            if (rows > cpu::kSmallRowsMax)
-              cpu::matmul_in_out_forward_blas(expected.data(), multiplied.x.data(), transposed.data(), rows, in, out);
             cpu::matmul_in_out_forward(from_columns.data(), c.x.data(), transposed.data(), column_panels.data(), rows,
                                        in, out);
-            EXPECT_EQ(from_columns, rows > cpu::kSmallRowsMax ? expected : got) << "[in, out] " << where;
+            EXPECT_EQ(from_columns, got) << "[in, out] " << where;
           }
     }
   std::vector<float> not_bf16 = {1.0f, 1.0f + 1.0f / 1024.0f / 1024.0f};  // the second needs more than 8 bits

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <optional>
 #include <utility>
 
@@ -18,6 +19,7 @@ namespace dspark {
 // The longest run of plain rounds between two drafted ones while drafting does not pay.
 constexpr int kMaxUndraftedRounds = 32;
 constexpr double kOneOffRatio = 4.0;  // observe_round ignores rounds that took longer than this x their prediction
+constexpr double kYieldWeight = 0.25;  // observe_accepted: the newest round's share of the smoothed yield
 
 namespace {
 
@@ -355,6 +357,27 @@ std::filesystem::path default_sps_cache_path() {
 
 namespace {
 
+// This binary's identity: an FNV-1a hash of its own file. Profiles are timed
+// by the kernels of the build that measured them; a build whose kernels run
+// faster or slower would otherwise steer Alg 1 by stale times (a CPU profile
+// cached before the bf16 pairs kernels predicted verifies twice too slow).
+const std::string& build_identity() {
+  static const std::string identity = [] {
+    std::ifstream file("/proc/self/exe", std::ios::binary);
+    if (!file) return std::string("unknown build");
+    uint64_t hash = 14695981039346656037ull;
+    std::vector<char> chunk(1 << 20);
+    while (file.read(chunk.data(), std::streamsize(chunk.size())) || file.gcount() > 0) {
+      for (std::streamsize i = 0; i < file.gcount(); ++i) hash = (hash ^ uint8_t(chunk[size_t(i)])) * 1099511628211ull;
+      if (!file) break;
+    }
+    char text[32];
+    std::snprintf(text, sizeof text, "build %016llx", static_cast<unsigned long long>(hash));
+    return std::string(text);
+  }();
+  return identity;
+}
+
 // The profiles cache (a JSON object {"version": 1, "profiles": {key: entry}}):
 // an unreadable file counts as empty, so it is measured afresh and replaced.
 Json read_profile_cache(const std::filesystem::path& cache_file) {
@@ -371,11 +394,17 @@ Json read_profile_cache(const std::filesystem::path& cache_file) {
   return cache;
 }
 
-// Adds `entry` under `key` (other entries kept), atomically.
-void store_profile(const std::filesystem::path& cache_file, const std::string& key, const Json& entry) {
+// Adds `entry` under `key`, atomically, keeping the other entries of this
+// build (those of other builds are dropped: nothing reads them again).
+void store_profile(const std::filesystem::path& cache_file, const std::string& key, Json entry) {
   Json cache = read_profile_cache(cache_file);
   cache["version"] = 1;
-  cache["profiles"][key] = entry;
+  Json kept = Json::object();
+  for (const auto& [name, value] : cache["profiles"].items())
+    if (value.is_object() && value.value("build", std::string()) == build_identity()) kept[name] = value;
+  entry["build"] = build_identity();
+  kept[key] = std::move(entry);
+  cache["profiles"] = std::move(kept);
   if (!cache_file.parent_path().empty()) std::filesystem::create_directories(cache_file.parent_path());
   write_text_file_atomic(cache_file, cache.dump(2) + "\n");
 }
@@ -400,8 +429,9 @@ std::optional<Profile> cached_profile(const std::filesystem::path& cache_file, c
 
 SpsProfile cached_sps_profile(Target& target, const std::string& model_key, const SpsProfileOptions& options,
                               const std::filesystem::path& cache_file, bool remeasure, bool* measured) {
-  std::string key = target.device_description() + " | " + model_key + " | context " + std::to_string(options.context) +
-                    ", " + std::to_string(options.tokens_per_sequence) + " tokens per sequence, taps [";
+  std::string key = target.device_description() + " | " + build_identity() + " | " + model_key + " | context " +
+                    std::to_string(options.context) + ", " + std::to_string(options.tokens_per_sequence) +
+                    " tokens per sequence, taps [";
   for (size_t i = 0; i < options.taps.size(); ++i) key += (i ? "," : "") + std::to_string(options.taps[i]);
   key += options.taps_on_device ? "] on the device" : "]";
   key += ", ragged rounds";
@@ -426,8 +456,8 @@ SpsProfile cached_sps_profile(Target& target, const std::string& model_key, cons
 
 DraftCostProfile cached_draft_cost(Target& target, DraftSource& source, const std::string& draft_key, int gamma,
                                    int max_rows, const std::filesystem::path& cache_file, bool remeasure) {
-  const std::string key =
-      target.device_description() + " | draft " + draft_key + " | gamma " + std::to_string(gamma) + " | D(R), context extension included";
+  const std::string key = target.device_description() + " | " + build_identity() + " | draft " + draft_key +
+                          " | gamma " + std::to_string(gamma) + " | D(R), context extension included";
   if (!remeasure) {
     std::optional<DraftCostProfile> cached = cached_profile<DraftCostProfile>(
         cache_file, key, DraftCostProfile::from_json,
@@ -502,6 +532,15 @@ void PrefixScheduler::CostRatio::add(double ratio) {
   measured = true;
 }
 
+void PrefixScheduler::observe_accepted(std::span<const int> accepted) {
+  double promised = 0.0, delivered = 0.0;
+  for (size_t r = 0; r < promised_.size() && r < accepted.size(); ++r)
+    if (promised_[r] > 0.0) promised += promised_[r], delivered += accepted[r] + 1;
+  promised_.clear();
+  if (promised > 0.0)
+    yield_ = std::clamp((1.0 - kYieldWeight) * yield_ + kYieldWeight * delivered / promised, 0.5, 2.0);
+}
+
 void PrefixScheduler::observe_round(double seconds) {
   CostRatio* timed = std::exchange(timed_, nullptr);
   if (!draft_cost_ || !timed || seconds <= 0.0) return;
@@ -538,12 +577,14 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   const bool lengths = remaining_.size() == proposals.size();
   double most_left = 0.0, most_rounds = 0.0;  // max_r n_r and max_r n_r / e_r
   int drafting = 0;
+  promised_.assign(R, 0.0);
   for (int r = 0; r < R; ++r) {
     if (proposals[r].tokens.empty()) continue;
     ++drafting;
     double row_expected = 1.0, survival = 1.0;  // e_r = 1 + Σ_{j < verify[r]} a_{r,j}
     for (int j = 0; j < verify[r] && j < int(confidences_[r].size()); ++j)
       row_expected += survival *= survival_factor(confidences_[r][j]);
+    promised_[r] = row_expected;
     const double left = lengths ? std::max(remaining_[r], 1) : 1.0;
     most_left = std::max(most_left, left);
     most_rounds = std::max(most_rounds, left / row_expected);
@@ -561,7 +602,7 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   timed_ = drafting == R && after_drafted_round_ ? &drafted_cost_ : nullptr;
   predicted_seconds_ = 1.0 / sps_.round_at(R, double(tokens - R) / R) + draft_cost_->at(R);
   const double all_drafting = (1.0 / sps_.round_at(R, (tokens_all - R) / R) + draft_cost_->at(R)) * drafted_cost_.value;
-  const double speculative = expected_all / all_drafting;
+  const double speculative = expected_all * yield_ / all_drafting;
   const double gain = speculative * undrafted_cost_.value / (R * sps_.plain_at(R));
   gain_ = measured_ ? 0.5 * gain_ + 0.5 * gain : gain;
   measured_ = true;

@@ -170,6 +170,10 @@ class VerifyScheduler {
   // (drafting, verify and accepts, on the host's clock). A round's duration
   // does not depend on which tokens it drew, so later decisions may read it.
   virtual void observe_round(double /*seconds*/) {}
+  // Told after each round how many drafted tokens each row's verify accepted
+  // (rows in the order schedule() got them; 0 for rows that did not draft).
+  // Only later rounds may read it: they are lossless whatever the history.
+  virtual void observe_accepted(std::span<const int> /*accepted*/) {}
 };
 
 // Alg 1 on plain confidences: confidences[r] = row r's c_{r,0..n_r-1}
@@ -189,6 +193,12 @@ class PrefixScheduler final : public VerifyScheduler {
   // Rows whose proposal has no confidences are verified whole (their tokens count in B).
   void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) override;
   void observe_round(double seconds) override;
+  // The drafted rows' tokens per round (accepted + 1) over what their
+  // calibrated confidences promised, smoothed: scales the gate's estimate of
+  // drafting's progress, so that a text easier (or harder) to draft than the
+  // calibration set moves the gate (the demo's prompt drafts tau 3.4 where
+  // its confidences promised ~2.0, and the gate shut).
+  void observe_accepted(std::span<const int> accepted) override;
   const SpsProfile& sps() const { return sps_; }
   // The running estimate of drafting's gain over plain decoding (1 before any round).
   double gain() const { return gain_; }
@@ -210,6 +220,8 @@ class PrefixScheduler final : public VerifyScheduler {
     void add(double ratio);
   };
   CostRatio drafted_cost_, undrafted_cost_;
+  std::vector<double> promised_;    // the last schedule()'s e_r per row (0: the row did not draft)
+  double yield_ = 1.0;              // smoothed delivered / promised (observe_accepted), in [0.5, 2]
   CostRatio* timed_ = nullptr;      // what the round being run is timed against (null: it is not)
   double predicted_seconds_ = 0.0;  // the profiles' time for it
   bool drafting_round_ = false, after_drafted_round_ = false;  // this round drafts; the one before did

@@ -116,7 +116,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   }
   const auto prefill_done = Clock::now();
 
-  std::vector<int> active, limits, remaining, verify_counts;
+  std::vector<int> active, limits, remaining, verify_counts, accepted_counts;
   std::vector<long> proposed_counts;
   std::vector<int32_t> pending;
   std::vector<Proposal> proposals;
@@ -209,6 +209,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     const auto verify_done = Clock::now();
 
     size_t row = 0;
+    accepted_counts.assign(active.size(), 0);
     for (size_t i = 0; i < active.size(); ++i) {
       Request& request = requests[active[i]];
       const Proposal& proposal = proposals[i];
@@ -227,6 +228,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       const int length_before = target.sequence_length(request.sequence) - (n + 1);
       target.truncate_sequence(request.sequence, length_before + 1 + verdict.accepted);
       accept(active[i], std::span(blocks[i]).first(1 + verdict.accepted), row);
+      accepted_counts[i] = verdict.accepted;
       row += n + 1;
 
       SpeculativeStats& stats = request.result.stats;
@@ -257,6 +259,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       request.pending = verdict.next;
     }
     source.finish_accepts();  // before the next forward overwrites the taps
+    if (options.scheduler) options.scheduler->observe_accepted(accepted_counts);
     // Round times steer the scheduler only at temperature 0: when sampling,
     // its decisions choose which random numbers are drawn, and a seeded run
     // must repeat exactly, which a clock cannot.

@@ -572,7 +572,7 @@ int chunk_size(long work, int out_features, int granule) {
 
 // A product's activations rounded to bf16 (bf16_products), per calling
 // thread (the pool's workers read the caller's): as f32 values, for the
-// widening tiles and sgemm, or in pairs, for the AVX-512 BF16 tile.
+// widening tiles, or in pairs, for the AVX-512 BF16 tile.
 const float* rounded_to_bf16(const float* x, long count) {
   thread_local std::vector<float> rounded;
   rounded.resize(size_t(count));
@@ -732,13 +732,10 @@ void matmul_forward(float* out, const float* x, const float* weight, const float
 
 void matmul_forward(float* out, const float* x, const float* weight, const uint16_t* weight_bf16, const float* bias,
                     int rows, int in_features, int out_features) {
-  if (!weight_bf16)
-    matmul_forward(out, x, weight, bias, rows, in_features, out_features);
-  else if (rows <= kSmallRowsMax)
+  if (weight_bf16)
     matmul_forward_small_rows(out, x, weight_bf16, bias, rows, in_features, out_features);
-  else  // sgemm on the f32 weight, the activations rounded as the small-row path rounds them
-    matmul_forward_blas(out, bf16_products() ? rounded_to_bf16(x, long(rows) * in_features) : x, weight, bias, rows,
-                        in_features, out_features);
+  else
+    matmul_forward(out, x, weight, bias, rows, in_features, out_features);
 }
 
 void matmul_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight, int rows,
@@ -762,13 +759,10 @@ void matmul_in_out_forward(float* out, const float* x, const float* weight, int 
 
 void matmul_in_out_forward(float* out, const float* x, const float* weight, const uint16_t* weight_bf16, int rows,
                            int in_features, int out_features) {
-  if (!weight_bf16)
-    matmul_in_out_forward(out, x, weight, rows, in_features, out_features);
-  else if (rows <= kSmallRowsMax)
+  if (weight_bf16)
     matmul_forward_small_rows(out, x, weight_bf16, nullptr, rows, in_features, out_features);
-  else  // as matmul_forward's
-    matmul_in_out_forward_blas(out, bf16_products() ? rounded_to_bf16(x, long(rows) * in_features) : x, weight, rows,
-                               in_features, out_features);
+  else
+    matmul_in_out_forward(out, x, weight, rows, in_features, out_features);
 }
 
 void matmul_in_out_backward(float* dx, float* dweight, const float* dout, const float* x, const float* weight, int rows,

@@ -34,8 +34,12 @@ void matmul_forward(float* out, const float* x, const float* weight, const float
 // With bf16_products() on, x is first rounded to bf16 (to nearest even), so
 // that every product is exact: the same bits on every instruction set, and
 // on a CPU with AVX-512 BF16 one instruction multiplies a pair of inputs into
-// 16 features, twice the multiply-adds of an f32 FMA. Above kSmallRowsMax
-// rows sgemm gets the f32 weight and x (rounded with bf16_products()).
+// 16 features, twice the multiply-adds of an f32 FMA. Every row count takes
+// this kernel, prefill too: a row's result never depends on the rows it is
+// batched with (sgemm's can, by its blocking; with bf16 products a last-bit
+// difference flips an activation's rounding, and a batched plain decode
+// differed from speculative decoding's until prefill left sgemm), and at
+// 64-128 rows it ran 1.3x faster than sgemm on the f32 widening anyway.
 void matmul_forward(float* out, const float* x, const float* weight, const uint16_t* weight_bf16, const float* bias,
                     int rows, int in_features, int out_features);
 
