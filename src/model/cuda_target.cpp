@@ -128,7 +128,6 @@ class CudaTarget final : public Target {
 
   const ModelConfig& config() const override { return config_; }
   std::string device_description() const override { return "cuda: " + cuda::device_description(device_); }
-  uint64_t warmups() const override { return cuda::warmups(); }
   int create_sequence(int capacity) override;
   void release_sequence(int sequence) override;
   int sequence_length(int sequence) const override { return state(sequence).length; }
@@ -566,7 +565,6 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
   if (graphable && eager_runs_[shape] >= 1 && !profiler_.enabled()) {
     auto found = graphs_.find(shape);
     if (found == graphs_.end()) {
-      cuda::note_warmup();
       cudaGraph_t graph;
       CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
       run_step(shape, shape.taps, false);
@@ -579,7 +577,7 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
     CUDA_CHECK(cudaGraphLaunch(found->second, stream_));
   } else {
     run_step(shape, request.taps, score);
-    if (graphable && eager_runs_[shape]++ == 0) cuda::note_warmup();
+    if (graphable) ++eager_runs_[shape];
     profiler_.finish_step(shape.tokens == profiled_tokens_ * shape.sequences);
   }
   const float* taps = taps_.data();

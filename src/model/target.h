@@ -74,11 +74,6 @@ class Target {
 
   virtual void forward(std::span<const TargetInput> inputs, const TargetRequest& request,
                        TargetResult& result) = 0;
-
-  // How much warm-up work (kernel choices, graph captures: cuda::warmups) the
-  // device has done so far, process-wide; a change across a timed stretch
-  // means it was no steady step. The CPU does none.
-  virtual uint64_t warmups() const { return 0; }
 };
 
 // "cpu", "cuda", or "auto" (cuda when a GPU is present and the build has CUDA).

@@ -10,7 +10,6 @@
 #include "core/error.h"
 #include "kernels/cuda/activation.h"
 #include "kernels/cuda/attention.h"
-#include "kernels/cuda/device.h"
 #include "kernels/cuda/embedding.h"
 #include "kernels/cuda/matmul.h"
 #include "kernels/cuda/rmsnorm.h"
@@ -639,7 +638,6 @@ void CudaDrafter::draft_chunk(std::span<const CudaDraftRequest> requests, const 
 
   // A bucket's first step ran eagerly (choosing GEMM algorithms); capture it for the next ones.
   if (use_graphs_ && graph == graphs_.end()) {
-    cuda::note_warmup();
     cudaGraph_t captured = nullptr;
     CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
     try {

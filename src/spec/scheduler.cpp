@@ -19,7 +19,6 @@ namespace dspark {
 // The longest run of plain rounds between two drafted ones while drafting does not pay.
 constexpr int kMaxUndraftedRounds = 32;
 constexpr double kOneOffRatio = 4.0;  // observe_round ignores rounds that took longer than this x their prediction
-constexpr double kYieldWeight = 0.25;  // observe_accepted: the newest round's share of the smoothed yield
 
 namespace {
 
@@ -532,24 +531,14 @@ void PrefixScheduler::CostRatio::add(double ratio) {
   measured = true;
 }
 
-void PrefixScheduler::observe_accepted(std::span<const int> accepted) {
-  double promised = 0.0, delivered = 0.0;
-  for (size_t r = 0; r < promised_.size() && r < accepted.size(); ++r)
-    if (promised_[r] > 0.0) promised += promised_[r], delivered += accepted[r] + 1;
-  promised_.clear();
-  if (promised > 0.0)
-    yield_ = std::clamp((1.0 - kYieldWeight) * yield_ + kYieldWeight * delivered / promised, 0.5, 2.0);
-}
-
 void PrefixScheduler::observe_round(double seconds) {
   CostRatio* timed = std::exchange(timed_, nullptr);
   if (!draft_cost_ || !timed || seconds <= 0.0) return;
-  // A round far off its prediction is a one-off, not what the next rounds
-  // will cost: counting it could keep the gate shut for good, since only
-  // rounds where every row drafts are timed against the drafted prediction.
-  // (Rounds that warmed the GPU up, a shape's first eager run or its graph
-  // capture, are not observed at all: Target::warmups. One such round, 3.5x
-  // its prediction, once kept the gate shut for a whole batch-4 run.)
+  // A round far off its prediction is a one-off (the CUDA target captures a
+  // step's graph on the shape's second use, ~10x a step), not what the next
+  // rounds will cost: counting it could keep the gate shut for good, since
+  // only rounds where every row drafts are timed against the drafted
+  // prediction.
   const double ratio = seconds / predicted_seconds_;
   if (ratio <= kOneOffRatio) timed->add(ratio);
 }
@@ -577,14 +566,12 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   const bool lengths = remaining_.size() == proposals.size();
   double most_left = 0.0, most_rounds = 0.0;  // max_r n_r and max_r n_r / e_r
   int drafting = 0;
-  promised_.assign(R, 0.0);
   for (int r = 0; r < R; ++r) {
     if (proposals[r].tokens.empty()) continue;
     ++drafting;
     double row_expected = 1.0, survival = 1.0;  // e_r = 1 + Σ_{j < verify[r]} a_{r,j}
     for (int j = 0; j < verify[r] && j < int(confidences_[r].size()); ++j)
       row_expected += survival *= survival_factor(confidences_[r][j]);
-    promised_[r] = row_expected;
     const double left = lengths ? std::max(remaining_[r], 1) : 1.0;
     most_left = std::max(most_left, left);
     most_rounds = std::max(most_rounds, left / row_expected);
@@ -602,7 +589,7 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   timed_ = drafting == R && after_drafted_round_ ? &drafted_cost_ : nullptr;
   predicted_seconds_ = 1.0 / sps_.round_at(R, double(tokens - R) / R) + draft_cost_->at(R);
   const double all_drafting = (1.0 / sps_.round_at(R, (tokens_all - R) / R) + draft_cost_->at(R)) * drafted_cost_.value;
-  const double speculative = expected_all * yield_ / all_drafting;
+  const double speculative = expected_all / all_drafting;
   const double gain = speculative * undrafted_cost_.value / (R * sps_.plain_at(R));
   gain_ = measured_ ? 0.5 * gain_ + 0.5 * gain : gain;
   measured_ = true;

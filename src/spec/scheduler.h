@@ -36,8 +36,7 @@
 // profile's ~0.5). So the gate also times the rounds it runs: the ratio of a
 // drafted round's measured time to the profiles' prediction for it, and of an
 // undrafted round's to a plain step's, each smoothed (a round over 4x its
-// prediction is skipped, and a round that warmed the GPU up, capturing a
-// graph or running a shape for the first time, is never observed), scale the
+// prediction, such as one that captures a graph, is skipped), scale the
 // estimate of later rounds (observe_round). Only at temperature 0
 // (spec/speculative.cpp): a sampling run with a seed must repeat exactly.
 //
@@ -166,14 +165,10 @@ class VerifyScheduler {
   // verify[i] = how many of proposals[i].tokens the round verifies (a prefix).
   // proposals[i].confidence is empty when the source has no confidences.
   virtual void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) = 0;
-  // Told after each steady round (no device warm-up in it) how long it took
-  // (drafting, verify and accepts, on the host's clock). A round's duration
-  // does not depend on which tokens it drew, so later decisions may read it.
+  // Told after each round how long it took (drafting, verify and accepts, on
+  // the host's clock). A round's duration does not depend on which tokens it
+  // drew, so later decisions may read it.
   virtual void observe_round(double /*seconds*/) {}
-  // Told after each round how many drafted tokens each row's verify accepted
-  // (rows in the order schedule() got them; 0 for rows that did not draft).
-  // Only later rounds may read it: they are lossless whatever the history.
-  virtual void observe_accepted(std::span<const int> /*accepted*/) {}
 };
 
 // Alg 1 on plain confidences: confidences[r] = row r's c_{r,0..n_r-1}
@@ -193,12 +188,6 @@ class PrefixScheduler final : public VerifyScheduler {
   // Rows whose proposal has no confidences are verified whole (their tokens count in B).
   void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) override;
   void observe_round(double seconds) override;
-  // The drafted rows' tokens per round (accepted + 1) over what their
-  // calibrated confidences promised, smoothed: scales the gate's estimate of
-  // drafting's progress, so that a text easier (or harder) to draft than the
-  // calibration set moves the gate (the demo's prompt drafts tau 3.4 where
-  // its confidences promised ~2.0, and the gate shut).
-  void observe_accepted(std::span<const int> accepted) override;
   const SpsProfile& sps() const { return sps_; }
   // The running estimate of drafting's gain over plain decoding (1 before any round).
   double gain() const { return gain_; }
@@ -220,8 +209,6 @@ class PrefixScheduler final : public VerifyScheduler {
     void add(double ratio);
   };
   CostRatio drafted_cost_, undrafted_cost_;
-  std::vector<double> promised_;    // the last schedule()'s e_r per row (0: the row did not draft)
-  double yield_ = 1.0;              // smoothed delivered / promised (observe_accepted), in [0.5, 2]
   CostRatio* timed_ = nullptr;      // what the round being run is timed against (null: it is not)
   double predicted_seconds_ = 0.0;  // the profiles' time for it
   bool drafting_round_ = false, after_drafted_round_ = false;  // this round drafts; the one before did

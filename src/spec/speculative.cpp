@@ -116,7 +116,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   }
   const auto prefill_done = Clock::now();
 
-  std::vector<int> active, limits, remaining, verify_counts, accepted_counts;
+  std::vector<int> active, limits, remaining, verify_counts;
   std::vector<long> proposed_counts;
   std::vector<int32_t> pending;
   std::vector<Proposal> proposals;
@@ -152,7 +152,6 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
         options.scheduler ? size_t(options.scheduler->rows_to_draft(remaining)) : active.size();
     proposals.clear();
     const auto round_start = Clock::now();
-    const uint64_t warmups_before = target.warmups();
     if (drafting > 0)
       source.propose(std::span(active).first(drafting), std::span(pending).first(drafting),
                      std::span(limits).first(drafting), options.sampling, proposals);
@@ -209,7 +208,6 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     const auto verify_done = Clock::now();
 
     size_t row = 0;
-    accepted_counts.assign(active.size(), 0);
     for (size_t i = 0; i < active.size(); ++i) {
       Request& request = requests[active[i]];
       const Proposal& proposal = proposals[i];
@@ -228,7 +226,6 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       const int length_before = target.sequence_length(request.sequence) - (n + 1);
       target.truncate_sequence(request.sequence, length_before + 1 + verdict.accepted);
       accept(active[i], std::span(blocks[i]).first(1 + verdict.accepted), row);
-      accepted_counts[i] = verdict.accepted;
       row += n + 1;
 
       SpeculativeStats& stats = request.result.stats;
@@ -259,13 +256,10 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       request.pending = verdict.next;
     }
     source.finish_accepts();  // before the next forward overwrites the taps
-    if (options.scheduler) options.scheduler->observe_accepted(accepted_counts);
     // Round times steer the scheduler only at temperature 0: when sampling,
     // its decisions choose which random numbers are drawn, and a seeded run
     // must repeat exactly, which a clock cannot.
-    // A round that warmed the device up (a shape's first product or graph)
-    // costs what the next rounds will not.
-    if (options.scheduler && options.sampling.greedy() && target.warmups() == warmups_before)
+    if (options.scheduler && options.sampling.greedy())
       options.scheduler->observe_round(std::chrono::duration<double>(Clock::now() - round_start).count());
     for (int r : active)
       if (requests[r].done) {

@@ -1,5 +1,4 @@
 #include <algorithm>
-#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -10,14 +9,6 @@
 #include "kernels/cuda/device.h"
 
 namespace dspark::cuda {
-
-namespace {
-std::atomic<uint64_t> warmup_count{0};
-}  // namespace
-
-void note_warmup() { warmup_count.fetch_add(1, std::memory_order_relaxed); }
-
-uint64_t warmups() { return warmup_count.load(std::memory_order_relaxed); }
 
 int device_count() {
   int count = 0;

@@ -2,7 +2,6 @@
 #pragma once
 #include <cuda_runtime.h>
 
-#include <cstdint>
 #include <string>
 
 namespace dspark::cuda {
@@ -21,14 +20,6 @@ namespace dspark::cuda {
 // plus bytes written, median of several copies of `bytes` after a warm-up:
 // the ceiling a memory-bound kernel can be compared against.
 double measure_copy_bandwidth(size_t bytes);
-
-// Warm-up work this process has done on its GPUs: a product shape's first
-// use (its kernel chosen by timing the candidates), a CUDA graph captured, a
-// step shape's first eager run. Whoever times GPU work compares warmups()
-// before and after it: a change means the time was not that of a steady step
-// (the speculative engine leaves such rounds out of Alg 1's cost estimates).
-void note_warmup();
-uint64_t warmups();
 
 // Keeps `stream` busy for about `microseconds` with one spinning thread, so
 // that the host can queue the work after it ahead of the GPU: a profiler's
