@@ -184,19 +184,11 @@ TEST_P(GoldenModel, GenerationStopsAtTheContextEnd) {
 
 INSTANTIATE_TEST_SUITE_P(Golden, GoldenModel, ::testing::Values("qwen3", "llama"));
 
-// A model whose weights are bf16 values (a bf16 checkpoint) keeps packed
-// bf16 copies for its few-row products (keep_bf16_weights). With f32
-// activations its logits differ from the f32 tensors' only by the order of
-// summation; with bf16 products (cpu::set_bf16_products, as HF transformers
-// and the CUDA path run a bf16 model) by bf16 rounding. Either way a token
-// verified inside an 8-token block gets the bits it gets decoded alone,
-// which lossless speculative decoding needs. A prompt, decode steps, a block.
-TEST(TransformerLoad, Bf16CopiesOfTheWeightsGiveTheSameLogits) {
-  struct RestoreProducts {
-    ~RestoreProducts() { cpu::set_bf16_products(false); }
-  } restore;
+// The golden qwen3 with its weights rounded to bf16 (a bf16 checkpoint's),
+// without its packed bf16 copies yet.
+Transformer golden_qwen3_in_bf16() {
   Transformer model = load_transformer(golden_model("qwen3"));
-  ASSERT_TRUE(model.lm_head_bf16.empty()) << "the golden checkpoint is f32";
+  EXPECT_TRUE(model.lm_head_bf16.empty()) << "the golden checkpoint is f32";
   auto round_to_bf16 = [](Tensor& weight) {  // an owned copy: the loaded tensor maps the file read-only
     Tensor rounded = Tensor::zeros(weight.shape);
     for (long i = 0; i < weight.numel(); ++i) rounded.data[i] = bf16_to_f32(f32_to_bf16(weight.data[i]));
@@ -208,6 +200,23 @@ TEST(TransformerLoad, Bf16CopiesOfTheWeightsGiveTheSameLogits) {
       round_to_bf16(*weight);
   round_to_bf16(model.embed_tokens);
   model.lm_head = model.embed_tokens;  // tied
+  return model;
+}
+
+struct RestoreBf16Products {
+  ~RestoreBf16Products() { cpu::set_bf16_products(false); }
+};
+
+// A model whose weights are bf16 values (a bf16 checkpoint) keeps packed
+// bf16 copies for its few-row products (keep_bf16_weights). With f32
+// activations its logits differ from the f32 tensors' only by the order of
+// summation; with bf16 products (cpu::set_bf16_products, as HF transformers
+// and the CUDA path run a bf16 model) by bf16 rounding. Either way a token
+// verified inside an 8-token block gets the bits it gets decoded alone,
+// which lossless speculative decoding needs. A prompt, decode steps, a block.
+TEST(TransformerLoad, Bf16CopiesOfTheWeightsGiveTheSameLogits) {
+  RestoreBf16Products restore;
+  Transformer model = golden_qwen3_in_bf16();
   const std::vector<int32_t> prompt = {5, 99, 310, 42, 7, 1000, 64}, block = {3, 8, 12, 250, 9, 77, 31, 500};
   // The logits of the prompt's last token and of every block token, the block
   // as one forward after its first token (verify) or one token at a time.
@@ -250,6 +259,42 @@ TEST(TransformerLoad, Bf16CopiesOfTheWeightsGiveTheSameLogits) {
     if (bf16_products) {
       EXPECT_GT(difference, 1e-4 * largest) << "the activations were not rounded";
     }
+  }
+}
+
+// With bf16 copies a prompt's rows get the same bits whether they are
+// prefilled in one forward of more rows than the few-row limit (where f32
+// weights go to sgemm) or in pieces and steps: plain and speculative
+// decoding prefill differently (the latter holds the last prompt token back,
+// and batches group prompts their own way), and with bf16 products a
+// last-bit difference flips an activation's rounding (a batch-4 plain decode
+// differed from speculative decoding's until prefill left sgemm).
+TEST(TransformerLoad, Bf16PrefillInPiecesGivesTheSameBits) {
+  RestoreBf16Products restore;
+  Transformer model = golden_qwen3_in_bf16();
+  keep_bf16_weights(model);
+  std::vector<int32_t> prompt(cpu::kSmallRowsMax + 20);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = int32_t((i * 37 + 11) % model.config.vocab_size);
+  // The last token's logits after feeding the prompt in pieces of these sizes.
+  auto last_logits = [&](std::vector<int> pieces) {
+    KVCache cache(model.config, int(prompt.size()));
+    ForwardWorkspace workspace;
+    ForwardOutput output;
+    size_t at = 0;
+    for (int piece : pieces) {
+      ForwardSequence sequence{&cache, std::span(prompt).subspan(at, size_t(piece)), false};
+      transformer_forward(model, {&sequence, 1}, {}, workspace, output);
+      at += size_t(piece);
+    }
+    EXPECT_EQ(at, prompt.size());
+    return output.logits;
+  };
+  for (bool bf16_products : {false, true}) {
+    SCOPED_TRACE(bf16_products ? "bf16 products" : "f32 activations");
+    cpu::set_bf16_products(bf16_products);
+    const std::vector<float> whole = last_logits({int(prompt.size())});
+    EXPECT_EQ(last_logits({50, int(prompt.size()) - 51, 1}), whole);
+    EXPECT_EQ(last_logits({int(prompt.size()) - 1, 1}), whole);
   }
 }
 
