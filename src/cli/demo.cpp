@@ -10,6 +10,7 @@
 // A verb of its own rather than a mode of `generate`: generate is one run
 // that streams text and stays scriptable (its --json is one result); the demo
 // is a measurement that decodes the same prompt both ways, several times, and compares.
+#include <algorithm>
 #include <cstdio>
 #include <functional>
 #include <iostream>
@@ -45,7 +46,7 @@ struct DemoFlags {
   int passes = 5;  // timed passes of each mode
   float temperature = 0.0f;
   uint64_t seed = 0;
-  int gamma = 0;  // 0: the drafter's own
+  int gamma = 0;  // 0: the drafter's own on a GPU, at most kCpuGamma on the CPU
   std::string schedule = "threshold";
   bool ignore_eos = false;
   std::string plot;
@@ -80,6 +81,14 @@ void check_shipped(const std::string& directory, const char* what, const char* f
                " DIR, or set DSPARK_MODELS_DIR to a directory holding dspark-target/ and dspark-drafter/)");
 }
 
+// The demo's draft length on the CPU. There the verify of k tokens is bound
+// by arithmetic, not by memory as on a GPU: with bf16 products t(5)/t(1) is
+// ~1.4-1.9 and t(8)/t(1) ~2.0-2.8 on 2 cores, so the last drafted positions,
+// accepted in 10-19% of rounds, cost more than they bring. Measured with the
+// shipped drafter (bench/RESULTS.md, stop 17): gamma 4 1.40-1.45x, 5
+// 1.25-1.44x, 7 0.86-1.29x, on the same machine in the same minutes.
+constexpr int kCpuGamma = 4;
+
 void run_demo(const DemoFlags& flags) {
   check_shipped(flags.model, "the target", "-m");
   check_shipped(flags.draft, "the drafter", "-d");
@@ -91,7 +100,8 @@ void run_demo(const DemoFlags& flags) {
   const Tokenizer tokenizer = Tokenizer::load(flags.model);
   const ModelConfig& config = target->config();
   LoadedDraftSource source = load_draft_source(flags.draft, flags.model, *target, 0.0f);
-  const int gamma = source.gamma_for(flags.gamma);
+  const bool cpu = target->device_description().rfind("cpu", 0) == 0;
+  const int gamma = source.gamma_for(flags.gamma > 0 ? flags.gamma : cpu ? std::min(kCpuGamma, source.gamma_for(0)) : 0);
   VerifySchedules schedules(*target, source, flags.model, flags.draft, {flags.schedule}, 1, gamma, default_sps_cache_path(),
                             false);
 
@@ -276,7 +286,8 @@ void add_demo_command(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   command->add_option("--seed", flags->seed, "sampling seed")->capture_default_str();
-  command->add_option("--gamma", flags->gamma, "most tokens drafted per round (default: the drafter's)")
+  command->add_option("--gamma", flags->gamma,
+                      "most tokens drafted per round (default: the drafter's on a GPU, at most 4 on the CPU)")
       ->check(CLI::Range(1, 64));
   command
       ->add_option("--schedule", flags->schedule,
