@@ -1,5 +1,5 @@
 // The forwards' two paths (see matmul.h): OpenBLAS for many rows, and for few
-// rows an own kernel.
+// rows an own kernel (for bf16 weights, at every row count).
 //
 // Why an own kernel: for 2-16 rows sgemm first packs the whole weight matrix
 // (reads it and writes a copy, then reads the copy), so a verify of k tokens
@@ -15,12 +15,14 @@
 //   [in, out] f32 (matmul_in_out_forward): a tile of R rows x C output
 //     columns keeps R*C/W vector accumulators; each weight row segment is
 //     loaded once and multiplied by R broadcast activations (the "axpy" tile).
-//   bf16, either layout (given weight_bf16): the axpy tile's shape over bf16
-//     pairs, weights in panels of 16 output features (pack_bf16_rows,
-//     pack_bf16_columns), activations rounded to bf16; on AVX-512 BF16 one
-//     vdpbf16ps applies a pair of inputs to 16 features (the "pairs" tile).
-//     Each output is the plain sequential sum over `in`, so it has no
-//     horizontal sums at all, and the same bits on every instruction set.
+//   bf16, either layout (given weight_bf16): the axpy tile's shape over
+//     pairs of inputs, the weights in panels of 16 output features
+//     (pack_bf16_rows, pack_bf16_columns), widened as they load; with
+//     bf16_products() the activations are rounded to bf16 first, and on
+//     AVX-512 BF16 one vdpbf16ps applies a pair of inputs to 16 features
+//     (the "pairs" tile). Each output is the plain sequential sum over `in`,
+//     so it has no horizontal sums at all, and the same bits for every row
+//     count and on every instruction set with FMA.
 // Tile shapes are chosen per row count so the accumulators fill most of the
 // vector registers (16 with AVX2, 32 with AVX-512) without spilling.
 //
@@ -373,8 +375,9 @@ void axpy_chunk_baseline(const void* problem, int chunk) { axpy_chunk<kBaselineT
 // words per pair, so every vector of a tile streams its own panel front to
 // back, 64 bytes a pair; the hardware prefetcher keeps up (software prefetch
 // 8-96 pairs ahead measured the same). Panels of 32 features, split between
-// tiles of 3 or 5 vectors, were 10-20% slower cold. Activations are rounded
-// to bf16 and paired into the same words, a row of pairs per activation row.
+// tiles of 3 or 5 vectors, were 10-20% slower cold. For the AVX-512 BF16
+// tile the activations, rounded to bf16, are paired into the same words, a
+// row of pairs per activation row.
 constexpr int kPanelFeatures = 16;
 
 struct PairsProblem {

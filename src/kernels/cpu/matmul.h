@@ -9,7 +9,9 @@
 // once and applies it to every activation row while it sits in L1, split over
 // output features across a small persistent pool of threads. Above that
 // (prefill, training) OpenBLAS sgemm, whose packing of the weight then pays
-// for itself. Both accumulate in f32; their summation orders differ.
+// for itself. Both accumulate in f32; their summation orders differ. A bf16
+// weight's packed bits (weight_bf16 below) take the own kernel at every row
+// count.
 #pragma once
 #include <cstdint>
 #include <vector>
