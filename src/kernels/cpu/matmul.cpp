@@ -251,8 +251,9 @@ struct AxpyProblem {
 // 4): a cold panel is `in` separate stretches of Vectors * W columns, one per
 // weight row, and at 7-8 activation rows the hardware prefetcher left the
 // tile waiting on memory. Measured cold (`dspark_matmul_benchmark --cold`,
-// bf16, 8 rows, medians): 256 x 512 50 -> 23 us, 256 x 384 40 -> 18, 1536 x
-// 256 99 -> 67; hot unchanged. At 1-2 rows it made small products slower
+// 8 rows, medians, on the bf16 weights this tile read before the pairs tile
+// took them): 256 x 512 50 -> 23 us, 256 x 384 40 -> 18, 1536 x 256 99 ->
+// 67; hot unchanged. At 1-2 rows it made small products slower
 // (256 x 256: 6.5 -> 8 us), so it is off there. (Prefetching the next column
 // panel instead, as dot_tile does the next tile, measured no faster.)
 constexpr int kAxpyPrefetchRows = 12;
