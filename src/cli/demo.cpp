@@ -92,9 +92,10 @@ constexpr int kCpuGamma = 4;
 void run_demo(const DemoFlags& flags) {
   check_shipped(flags.model, "the target", "-m");
   check_shipped(flags.draft, "the drafter", "-d");
-  // On 2 CPU cores a verify of 8 tokens with f32 activations costs ~2.4 plain
-  // steps (f32 FMAs are the limit, not memory), which leaves speculation
-  // little to gain; bf16 products (exact, summed in f32) cost ~1.7-2.
+  // On 2 CPU cores a verify of 8 tokens with f32 activations costs 2-3.7
+  // plain steps (f32 FMAs are the limit, not memory), which leaves
+  // speculation little to gain; bf16 products (exact, summed in f32) do twice
+  // the multiply-adds per instruction on CPUs with AVX-512 BF16.
   cpu::set_bf16_products(!flags.f32);
   const std::unique_ptr<Target> target = load_target(flags.model, flags.device);
   const Tokenizer tokenizer = Tokenizer::load(flags.model);

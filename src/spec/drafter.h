@@ -55,10 +55,11 @@ struct Drafter {
   std::map<std::string, Tensor> parameters;  // name -> f32 tensor
   Json metadata = Json::object();           // dspark.json as read: unknown fields survive a save
   // name -> a matrix's bf16 bit patterns in cpu::pack_bf16_columns' panels
-  // when every element is a bf16 value (a bf16 checkpoint): its products then
-  // multiply bf16 activations (as the CUDA drafter's do), reading half the
-  // bytes. Filled for decoding by keep_bf16_weights; empty while training,
-  // whose updates would leave it stale.
+  // when every element is a bf16 value (a bf16 checkpoint): its few-row
+  // products read these, half the bytes (with cpu::bf16_products(), of bf16
+  // activations, as the CUDA drafter's are). Filled for decoding by
+  // keep_bf16_weights; empty while training, whose updates would leave it
+  // stale.
   std::map<std::string, std::vector<uint16_t>> bf16;
 
   const Tensor& parameter(const std::string& name) const;
