@@ -1,15 +1,18 @@
 // Access to the golden checkpoints and HF reference outputs under tests/golden
 // (made by tests/tools/make_golden.py with transformers; see its docstring).
 #pragma once
+#include <unistd.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <span>
 #include <string>
 #include <vector>
-#include <unistd.h>
 
 #include "core/error.h"
 #include "core/json.h"
@@ -46,6 +49,17 @@ inline double relative_error(const float* a, const float* b, size_t n) {
     norm += double(b[i]) * b[i];
   }
   return std::sqrt(difference / norm);
+}
+
+// max_i |got_i - expected_i| / max_i |expected_i|: how far a result moved,
+// against the size of the values (a bf16 rounding of the inputs, not noise).
+inline double largest_relative_difference(std::span<const float> got, std::span<const float> expected) {
+  double largest = 0.0, difference = 0.0;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    largest = std::max(largest, double(std::fabs(expected[i])));
+    difference = std::max(difference, double(std::fabs(got[i] - expected[i])));
+  }
+  return difference / largest;
 }
 
 // The message of the dspark::Error `action` throws, or "(no error)".

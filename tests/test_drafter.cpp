@@ -356,15 +356,7 @@ TEST_P(Drafting, Bf16CopiesOfTheWeightsGiveTheSameDrafts) {
   ASSERT_FALSE(drafter_.bf16.empty());
   EXPECT_NE(drafter_.bf16_of("out_proj"), nullptr);
   EXPECT_EQ(drafter_.bf16_of("out_norm"), nullptr) << "vectors stay f32";
-  // The largest difference over the largest magnitude.
-  auto relative_difference = [](std::span<const float> got, std::span<const float> expected) {
-    double largest = 0, difference = 0;
-    for (size_t i = 0; i < expected.size(); ++i) {
-      largest = std::max(largest, double(std::fabs(expected[i])));
-      difference = std::max(difference, double(std::fabs(got[i] - expected[i])));
-    }
-    return difference / largest;
-  };
+  using testing::largest_relative_difference;
   for (bool bf16_products : {false, true}) {
     SCOPED_TRACE(bf16_products ? "bf16 products" : "f32 activations");
     cpu::set_bf16_products(bf16_products);
@@ -372,12 +364,12 @@ TEST_P(Drafting, Bf16CopiesOfTheWeightsGiveTheSameDrafts) {
     const auto [bf16_keys, bf16_draft] = draft_both_ways();
     ASSERT_EQ(bf16_keys.size(), f32_keys.size());
     for (size_t l = 0; l < f32_keys.size(); ++l)
-      EXPECT_LT(relative_difference(bf16_keys[l], f32_keys[l]), tolerance) << "layer " << l;
+      EXPECT_LT(largest_relative_difference(bf16_keys[l], f32_keys[l]), tolerance) << "layer " << l;
     if (bf16_products) {
-      EXPECT_GT(relative_difference(bf16_keys[0], f32_keys[0]), 1e-4) << "not rounded";
+      EXPECT_GT(largest_relative_difference(bf16_keys[0], f32_keys[0]), 1e-4) << "not rounded";
     }
     ASSERT_EQ(bf16_draft.logits.size(), f32_draft.logits.size());
-    EXPECT_LT(relative_difference(bf16_draft.logits, f32_draft.logits), tolerance);
+    EXPECT_LT(largest_relative_difference(bf16_draft.logits, f32_draft.logits), tolerance);
     ASSERT_EQ(bf16_draft.confidence.size(), f32_draft.confidence.size());
     for (size_t k = 0; k < f32_draft.confidence.size(); ++k)
       EXPECT_NEAR(bf16_draft.confidence[k], f32_draft.confidence[k], tolerance) << k;

@@ -101,8 +101,10 @@ void run_demo(const DemoFlags& flags) {
   const Tokenizer tokenizer = Tokenizer::load(flags.model);
   const ModelConfig& config = target->config();
   LoadedDraftSource source = load_draft_source(flags.draft, flags.model, *target, 0.0f);
-  const bool cpu = (flags.device == "auto" ? default_device() : flags.device) == "cpu";
-  const int gamma = source.gamma_for(flags.gamma > 0 ? flags.gamma : cpu ? std::min(kCpuGamma, source.gamma_for(0)) : 0);
+  int requested_gamma = flags.gamma;  // 0: the drafter's
+  if (requested_gamma == 0 && (flags.device == "auto" ? default_device() : flags.device) == "cpu")
+    requested_gamma = std::min(kCpuGamma, source.gamma_for(0));
+  const int gamma = source.gamma_for(requested_gamma);
   VerifySchedules schedules(*target, source, flags.model, flags.draft, {flags.schedule}, 1, gamma, default_sps_cache_path(),
                             false);
 

@@ -34,10 +34,10 @@ struct LayerWeights {
   Tensor gate_proj, up_proj;   // [F, H]
   Tensor down_proj;            // [H, F]
   Tensor gate_bias, up_bias, down_bias;   // when the config has MLP biases
-  // Each projection's bf16 bit patterns when every element is a bf16 value (a
-  // bf16 checkpoint; load_transformer fills them), else empty. Few-row
-  // products (decode, verify) read these: half the bytes, the same results
-  // bit for bit. Prefill's many-row products use the f32 tensors (OpenBLAS).
+  // Each projection's bf16 bit patterns in cpu::pack_bf16_rows' panels when
+  // every element is a bf16 value (a bf16 checkpoint; load_transformer fills
+  // them), else empty. Every product then reads these, half the bytes, at any
+  // row count (cpu::matmul_forward: a row's bits never depend on its batch).
   struct {
     std::vector<uint16_t> q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;
   } bf16;

@@ -47,26 +47,12 @@ template <class V>
   return value;
 }
 
-// W bf16 values (their bit patterns) widened exactly to a vector of floats:
-// a bf16 is the upper half of the f32 with the same value.
-template <int W>
-struct Halves {
-  typedef unsigned short Vector __attribute__((vector_size(W * sizeof(unsigned short))));
-};
+// W 32-bit words (matmul.cpp's bf16 pairs: a word's high half is the f32 of
+// one bf16 value, its low half shifted up the other's).
 template <int W>
 struct Words {
   typedef unsigned Vector __attribute__((vector_size(W * sizeof(unsigned))));
 };
-template <class V>
-[[gnu::always_inline]] inline V load(const uint16_t* source) {
-  constexpr int W = sizeof(V) / sizeof(float);
-  typename Halves<W>::Vector halves;
-  std::memcpy(&halves, source, sizeof halves);
-  const typename Words<W>::Vector words = __builtin_convertvector(halves, typename Words<W>::Vector) << 16;
-  V value;
-  std::memcpy(&value, &words, sizeof value);
-  return value;
-}
 
 template <class V>
 [[gnu::always_inline]] inline void store(float* destination, V value) {
