@@ -18,7 +18,8 @@
 
 namespace dspark::cpu {
 
-// The largest row count the forwards hand to the small-row kernel. Measured on
+// The largest row count the forwards hand to the small-row kernel with f32
+// weights (bf16 ones take it at every row count, below). Measured on
 // a 2-core AMD EPYC (Zen 4) over all matmuls of the 19M target's forward: the
 // kernel is 1.7-2.9x faster than OpenBLAS at 1-16 rows, still ~1.2x at 48-64,
 // about even at 96-128 (docs/PERF.md, CPU section); sgemm keeps prefill.
