@@ -15,7 +15,8 @@
 // panels), as the models' bf16 checkpoints are read.
 // --isa=avx512 (or avx2, baseline) runs the small-row kernel's narrower builds.
 // --hot runs every shape hot (to see the kernels' arithmetic apart from
-// memory), --cold every shape cold.
+// memory), --cold every shape cold. --bf16-products rounds the activations
+// of bf16-weight products to bf16 (`dspark --bf16-products`).
 //
 // Build: cmake --build build --target dspark_matmul_benchmark (needs Google
 // Benchmark, libbenchmark-dev; not part of ctest). Run e.g.
@@ -200,6 +201,8 @@ int main(int argc, char** argv) {
       weights = Weights::Hot;
     } else if (argument == "--cold") {
       weights = Weights::Cold;
+    } else if (argument == "--bf16-products") {
+      dspark::cpu::set_bf16_products(true);
     } else if (argument.rfind("--isa=", 0) == 0) {
       bool known = false;
       for (auto isa : {dspark::cpu::MatmulIsa::Baseline, dspark::cpu::MatmulIsa::Avx2, dspark::cpu::MatmulIsa::Avx512,
@@ -221,6 +224,7 @@ int main(int argc, char** argv) {
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::AddCustomContext("matmul_threads", std::to_string(dspark::cpu::matmul_threads()));
   benchmark::AddCustomContext("matmul_isa", dspark::cpu::matmul_isa_name(dspark::cpu::matmul_isa()));
+  benchmark::AddCustomContext("bf16_products", dspark::cpu::bf16_products() ? "yes" : "no");
   register_all(weights);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

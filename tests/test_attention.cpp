@@ -155,6 +155,17 @@ TEST_F(AttentionTest, BidirectionalMatchesDoubleReference) {
           cpu::bidirectional_attention_forward(out.data(), c.q.data(), c.keys.data(), c.values.data(), rows, kv_rows,
                                                shape.heads, shape.head_dim, scores.data());
           expect_matches_reference(c, out, "bidirectional_attention_forward");
+          // The keys and values in two pieces, [0, context) and the block's
+          // own rows, copied apart: the same bits.
+          const long row_floats = long(shape.kv_heads) * shape.head_dim;
+          const std::vector<float> block_keys(c.keys.begin() + context * row_floats, c.keys.end()),
+              block_values(c.values.begin() + context * row_floats, c.values.end());
+          std::vector<float> pieces(out.size(), std::nanf(""));
+          cpu::bidirectional_attention_forward(pieces.data(), c.q.data(), context ? c.keys.data() : nullptr,
+                                               context ? c.values.data() : nullptr, context, block_keys.data(),
+                                               block_values.data(), rows, rows, shape.heads, shape.head_dim);
+          ASSERT_EQ(std::memcmp(pieces.data(), out.data(), out.size() * sizeof(float)), 0)
+              << "context " << context << ", rows " << rows << ": two pieces differ from one";
         }
   }
 }

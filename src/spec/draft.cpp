@@ -35,8 +35,6 @@ void backbone_forward(const Drafter& drafter, const TargetHead& head, std::span<
   const int B = static_cast<int>(anchors.size()), gamma = c.gamma, d = c.d_draft, inner = c.ff_mult * d;
   const int H = drafter.dims.hidden_size, V = drafter.dims.vocab_size, rows = B * gamma;
   const float eps = drafter.dims.eps;
-  int longest_context = 0;
-  for (const DraftContext* context : contexts) longest_context = std::max(longest_context, context->length);
 
   float* block = grow(work.block, size_t(rows) * d);
   float* normed = grow(work.normed, size_t(rows) * d);
@@ -47,9 +45,6 @@ void backbone_forward(const Drafter& drafter, const TargetHead& head, std::span<
   float* projected = grow(work.projected, size_t(rows) * std::max(d, H));
   float* gate = grow(work.gate, size_t(rows) * inner);
   float* up = grow(work.up, size_t(rows) * inner);
-  float* keys = grow(work.keys, size_t(longest_context + gamma) * d);
-  float* values = grow(work.values, size_t(longest_context + gamma) * d);
-  float* scores = grow(work.scores, size_t(longest_context + gamma));
   float* hidden = grow(work.hidden, size_t(rows) * d);
 
   // Block rows: row 0 = E[anchor] @ tok_proj + block_pos[0]; row k = mask_emb[k-1] + block_pos[k].
@@ -73,16 +68,13 @@ void backbone_forward(const Drafter& drafter, const TargetHead& head, std::span<
     product(drafter, layer_name(l, "q"), q, normed, rows, d, d);
     product(drafter, layer_name(l, "k"), k, normed, rows, d, d);
     product(drafter, layer_name(l, "v"), v, normed, rows, d, d);
-    for (int b = 0; b < B; ++b) {  // keys / values = [context ; block]
-      const int length = contexts[b]->length;
-      if (length > 0) {  // a context never extended has no per-layer vectors at all
-        std::copy_n(contexts[b]->keys[l].data(), long(length) * d, keys);
-        std::copy_n(contexts[b]->values[l].data(), long(length) * d, values);
-      }
-      std::copy_n(k + long(b) * gamma * d, long(gamma) * d, keys + long(length) * d);
-      std::copy_n(v + long(b) * gamma * d, long(gamma) * d, values + long(length) * d);
-      cpu::bidirectional_attention_forward(attention + long(b) * gamma * d, q + long(b) * gamma * d, keys, values,
-                                           gamma, length + gamma, c.num_heads, d / c.num_heads, scores);
+    for (int b = 0; b < B; ++b) {  // over [context ; block]
+      const DraftContext& context = *contexts[b];
+      const bool extended = context.length > 0;  // a context never extended has no per-layer vectors at all
+      cpu::bidirectional_attention_forward(
+          attention + long(b) * gamma * d, q + long(b) * gamma * d, extended ? context.keys[l].data() : nullptr,
+          extended ? context.values[l].data() : nullptr, context.length, k + long(b) * gamma * d,
+          v + long(b) * gamma * d, gamma, gamma, c.num_heads, d / c.num_heads);
     }
     product(drafter, layer_name(l, "o"), projected, attention, rows, d, d);
     cpu::residual_add(block, projected, long(rows) * d);

@@ -90,8 +90,8 @@ struct DraftResult {
 
 // Activations reused across calls.
 struct DraftWorkspace {
-  std::vector<float> block, normed, q, k, v, attention, projected, gate, up, keys, values, scores, hidden,
-      head_input, base_logits, context_rows;
+  std::vector<float> block, normed, q, k, v, attention, projected, gate, up, hidden, head_input, base_logits,
+      context_rows;
   std::vector<int32_t> order;
 };
 

@@ -33,6 +33,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "core/error.h"
@@ -53,8 +54,11 @@ using simd::sum_lanes;
 struct AttentionProblem {
   float* out;
   const float* q;
-  const float* keys;
+  const float* keys;  // positions [0, context_rows)
   const float* values;
+  const float* block_keys;  // positions from context_rows on (the drafter's block); null when keys holds all
+  const float* block_values;
+  int context_rows;
   int rows, first_position, heads, kv_heads, head_dim, group;
   int kv_rows;     // 0: causal (row r sees first_position + r + 1 positions); else every row sees kv_rows
   long kv_stride;  // floats between consecutive positions of the cache
@@ -77,8 +81,14 @@ struct Chunk {
   const float* query(int j) const { return p.q + query_offset(j); }
   float* output(int j) const { return p.out + query_offset(j); }
   int visible(int j) const { return p.kv_rows ? p.kv_rows : p.first_position + row + j / p.group + 1; }
-  const float* key(int t) const { return p.keys + t * p.kv_stride + long(kv_head) * p.head_dim; }
-  const float* value(int t) const { return p.values + t * p.kv_stride + long(kv_head) * p.head_dim; }
+  const float* key(int t) const {
+    return (t < p.context_rows ? p.keys + t * p.kv_stride : p.block_keys + (t - p.context_rows) * p.kv_stride) +
+           long(kv_head) * p.head_dim;
+  }
+  const float* value(int t) const {
+    return (t < p.context_rows ? p.values + t * p.kv_stride : p.block_values + (t - p.context_rows) * p.kv_stride) +
+           long(kv_head) * p.head_dim;
+  }
 };
 
 // Per-thread scratch: the chunk's scores and its softmax totals. Grows to the
@@ -351,6 +361,9 @@ void attention_forward(float* out, const float* q, const float* keys, const floa
                      q,
                      keys,
                      values,
+                     nullptr,
+                     nullptr,
+                     std::numeric_limits<int>::max(),
                      rows,
                      first_position,
                      heads,
@@ -368,12 +381,22 @@ void attention_forward(float* out, const float* q, const float* keys, const floa
 
 void bidirectional_attention_forward(float* out, const float* q, const float* keys, const float* values, int rows,
                                      int kv_rows, int heads, int head_dim, float* scores) {
+  bidirectional_attention_forward(out, q, keys, values, kv_rows, nullptr, nullptr, 0, rows, heads, head_dim);
+}
+
+void bidirectional_attention_forward(float* out, const float* q, const float* context_keys, const float* context_values,
+                                     int context_rows, const float* block_keys, const float* block_values,
+                                     int block_rows, int rows, int heads, int head_dim) {
   if (rows <= 0) return;
+  const int kv_rows = context_rows + block_rows;
   DSPARK_CHECK(kv_rows > 0, "unmasked attention needs at least one key");
   AttentionProblem p{out,
                      q,
-                     keys,
-                     values,
+                     context_keys,
+                     context_values,
+                     block_keys,
+                     block_values,
+                     context_rows,
                      rows,
                      0,
                      heads,

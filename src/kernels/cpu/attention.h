@@ -26,6 +26,13 @@ void attention_forward(float* out, const float* q, const float* keys, const floa
 // unused; callers still pass scratch of kv_rows floats.
 void bidirectional_attention_forward(float* out, const float* q, const float* keys, const float* values, int rows,
                                      int kv_rows, int heads, int head_dim, float* scores);
+// The same over keys and values in two pieces, without joining them: the
+// drafter's retained context (context_rows, kept per request) and then its
+// block's own rows (block_rows): the bits of the call above on the two
+// concatenated.
+void bidirectional_attention_forward(float* out, const float* q, const float* context_keys, const float* context_values,
+                                     int context_rows, const float* block_keys, const float* block_values,
+                                     int block_rows, int rows, int heads, int head_dim);
 
 // Its backward, given dout [rows, heads, hd]: dq [rows, heads, hd], dkeys and
 // dvalues [kv_rows, heads, hd] accumulate (+=). The attention weights are

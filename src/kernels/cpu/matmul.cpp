@@ -583,16 +583,38 @@ const float* rounded_to_bf16(const float* x, long count) {
   for (long i = 0; i < count; ++i) rounded[size_t(i)] = bf16_to_f32(f32_to_bf16(x[i]));
   return rounded.data();
 }
-const uint32_t* bf16_pairs(const float* x, int rows, int in) {
+// f32_to_bf16 of 16 values at once (their bits in, the bf16 bits in the low halves out).
+template <class U>
+[[gnu::always_inline]] inline U rounded_bf16_bits(U bits) {
+  const U rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16, quiet_nan = (bits >> 16) | 0x40u;
+  return (bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
+}
+
+// Only the AVX-512 BF16 tile reads pairs, so this is built for that ISA
+// alone, 16 pairs a step: the conversion is a serial part of every product
+// (scalar, 5 rows x 1408 inputs took ~8 us, a quarter of the product).
+__attribute__((target("arch=x86-64-v4"))) const uint32_t* bf16_pairs(const float* x, int rows, int in) {
+  using U = Words<16>::Vector;
   thread_local std::vector<uint32_t> pairs;
-  const int count = (in + 1) / 2;
-  pairs.resize(size_t(rows) * count);
-  for (long row = 0; row < rows; ++row)
-    for (int k = 0; k < count; ++k) {
-      const float* source = x + row * in + 2 * k;
-      const uint32_t low = 2 * k + 1 < in ? f32_to_bf16(source[1]) : 0;
-      pairs[size_t(row) * count + k] = uint32_t(f32_to_bf16(source[0])) << 16 | low;
+  const int count = (in + 1) / 2, whole = in / 2;
+  if (pairs.size() < size_t(rows) * count) pairs.resize(size_t(rows) * count);
+  for (long row = 0; row < rows; ++row) {
+    const float* source = x + row * in;
+    uint32_t* destination = pairs.data() + row * count;
+    int k = 0;
+    for (; k + 16 <= whole; k += 16) {
+      U first, second;  // inputs 2k .. 2k + 15, 2k + 16 .. 2k + 31
+      std::memcpy(&first, source + 2 * k, sizeof first);
+      std::memcpy(&second, source + 2 * k + 16, sizeof second);
+      first = rounded_bf16_bits(first), second = rounded_bf16_bits(second);
+      const U even = __builtin_shufflevector(first, second, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+      const U odd = __builtin_shufflevector(first, second, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+      const U words = even << 16 | odd;
+      std::memcpy(destination + k, &words, sizeof words);
     }
+    for (; k < whole; ++k) destination[k] = uint32_t(f32_to_bf16(source[2 * k])) << 16 | f32_to_bf16(source[2 * k + 1]);
+    if (whole < count) destination[whole] = uint32_t(f32_to_bf16(source[2 * whole])) << 16;
+  }
   return pairs.data();
 }
 
