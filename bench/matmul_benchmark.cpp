@@ -163,7 +163,7 @@ void target_forward(benchmark::State& state, Path path) {
 enum class Weights { Default, Hot, Cold };
 
 void register_all(Weights weights) {
-  for (int row_count : {1, 2, 3, 4, 8, 16, 24, 32, 48, 64, 96, 128})
+  for (int row_count : {1, 2, 3, 4, 5, 6, 8, 16, 24, 32, 48, 64, 96, 128})
     for (Path path : {Path::Blas, Path::SmallRows, Path::SmallRowsBf16})
       benchmark::RegisterBenchmark(("target_forward/" + path_name(path)).c_str(), target_forward, path)
           ->Arg(row_count)

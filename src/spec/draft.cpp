@@ -140,10 +140,14 @@ class SequentialHead {
     return sigmoid(logit);
   }
 
-  // Adds B_k to `logits` [V] and advances the recurrent state.
-  void step(const float* e, const float* h, float* logits) {
+  // logits [V] = base [V] + B_k, and advances the recurrent state.
+  void step(const float* e, const float* h, const float* base, float* logits) {
     const int r = rank_, d = width_, V = vocab_;
     float* added = scratch_.data();
+    if (kind_ == "markov" && markov_out_bf16_) {  // base as the product's bias: the same sums, one pass
+      cpu::matmul_forward_small_rows(logits, e, markov_out_bf16_, base, 1, r, V);
+      return;
+    }
     if (kind_ == "markov") {
       cpu::matmul_in_out_forward(added, e, markov_out_, markov_out_bf16_, 1, r, V);
     } else if (kind_ == "rnn") {  // s = tanh(s @ wH + e + bH); B = s @ wO
@@ -166,7 +170,7 @@ class SequentialHead {
       }
       cpu::matmul_in_out_forward(added, z, markov_out_, markov_out_bf16_, 1, r, V);
     }
-    cpu::residual_add(logits, added, V);
+    for (int i = 0; i < V; ++i) logits[i] = base[i] + added[i];
   }
 
  private:
@@ -300,8 +304,7 @@ void draft(const Drafter& drafter, const TargetHead& head, std::span<const Draft
       const bool below = (!thresholds.empty() && confidence < thresholds[position]) ||
                          confidence < options.min_confidence;
       if (position >= 1 && below) break;  // pruned here; position 0 is always kept
-      std::copy_n(work.base_logits.data() + (long(b) * limit + position) * V, V, logits.data());
-      sequential.step(e, hidden, logits.data());
+      sequential.step(e, hidden, work.base_logits.data() + (long(b) * limit + position) * V, logits.data());
       int32_t token;
       if (options.sampling.greedy()) {
         token = cpu::argmax(logits.data(), V);
@@ -332,13 +335,14 @@ DraftForward draft_teacher_forced(const Drafter& drafter, const TargetHead& head
   DraftForward forward;
   forward.hidden.assign(work.hidden.begin(), work.hidden.begin() + long(gamma) * d);
   forward.base_logits.assign(work.base_logits.begin(), work.base_logits.begin() + long(gamma) * V);
-  forward.logits = forward.base_logits;
+  forward.logits.resize(forward.base_logits.size());
   SequentialHead sequential(drafter);
   for (int position = 0; position < gamma; ++position) {
     const float* e = sequential.embedding(position == 0 ? anchor : tokens[position - 1]);
     const float* hidden = forward.hidden.data() + long(position) * d;
     forward.confidence.push_back(sequential.confidence(position, hidden, e));
-    sequential.step(e, hidden, forward.logits.data() + long(position) * V);
+    sequential.step(e, hidden, forward.base_logits.data() + long(position) * V,
+                    forward.logits.data() + long(position) * V);
   }
   return forward;
 }
