@@ -148,6 +148,10 @@ TEST_P(GreedyLossless, SpeculativeEqualsPlain) {
     EXPECT_EQ(batched[i].tokens, expected[i]) << "batched prompt " << i;
     total.add(batched[i].stats);
   }
+  // Continuous batching: two at a time, a waiting prompt joining as one finishes.
+  options.max_active = 2;
+  const auto continuous = speculative_generate(target, *source, prompts, options);
+  for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(continuous[i].tokens, expected[i]) << "continuous prompt " << i;
   const bool scored = c.source == "untrained" || c.source == "random";  // proposals carry confidences
   if (c.gate) {  // drafted and undrafted rounds both occurred
     EXPECT_GT(total.undrafted, 0);
@@ -178,6 +182,43 @@ INSTANTIATE_TEST_SUITE_P(
                       GreedyCase{"llama", "random", 5, 0.0f, true}, GreedyCase{"qwen3", "untrained", 6, 0.0f, true},
                       GreedyCase{"qwen3", "oracle", 8, 0.0f, true}, GreedyCase{"qwen3", "random", 6, 0.0f, true, true},
                       GreedyCase{"llama", "oracle", 4, 0.0f, true, true}));
+
+// A request's output does not depend on which others share its steps:
+// plain and speculative decoding, greedy and sampled, all requests at once
+// against at most one or two at a time (continuous batching).
+TEST(ContinuousBatching, EachRequestGetsItsOwnOutput) {
+  const Transformer& model = golden("qwen3");
+  const auto prompts = test_prompts("qwen3");
+  const Drafter drafter = random_drafter(model.config, "markov", 6, 23, 3.0f);
+  DSparkSource source(drafter, target_head_of(model));
+  CpuTarget target(model);
+  for (float temperature : {0.0f, 1.0f}) {
+    GenerateOptions plain;
+    plain.max_new_tokens = 12;
+    plain.sampling.temperature = temperature;
+    plain.seed = 5;
+    SpeculativeOptions speculative;
+    speculative.max_new_tokens = 12;
+    speculative.sampling.temperature = temperature;
+    speculative.seed = 5;
+    speculative.gamma = 4;
+    const auto plain_all = generate_batch(target, prompts, plain);
+    const auto speculative_all = speculative_generate(target, source, prompts, speculative);
+    for (int max_active : {1, 2}) {
+      plain.max_active = speculative.max_active = max_active;
+      const auto plain_some = generate_batch(target, prompts, plain);
+      const auto speculative_some = speculative_generate(target, source, prompts, speculative);
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        EXPECT_EQ(plain_some[i].tokens, plain_all[i].tokens) << "plain, T " << temperature << ", prompt " << i;
+        EXPECT_EQ(speculative_some[i].tokens, speculative_all[i].tokens)
+            << "speculative, T " << temperature << ", prompt " << i;
+      }
+    }
+    if (temperature == 0.0f) {
+      for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(speculative_all[i].tokens, plain_all[i].tokens);
+    }
+  }
+}
 
 TEST(SpeculativeLimits, ContextEndAndEosStopLikePlainDecoding) {
   const Transformer& model = golden("qwen3");

@@ -202,6 +202,7 @@ struct BenchSpecFlags {
   std::string device = "auto";
   std::vector<int> batches = {1};
   bool sweep = false;
+  bool continuous = false;             // continuous batching: a finished request's place goes to the next
   std::vector<std::string> schedules;  // empty: threshold for one batch size, all three for several
   std::string plot;
   std::string sps_cache;  // empty: default_sps_cache_path()
@@ -264,9 +265,15 @@ void run_bench_spec(const BenchSpecFlags& flags) {
     // At least one full batch: fewer prompts than the batch are repeated to fill it.
     std::vector<std::vector<int32_t>> requests = prompts;
     for (size_t i = 0; requests.size() < size_t(batch); ++i) requests.push_back(prompts[i % prompts.size()]);
+    // Static batches (the default): each batch of requests is decoded to its
+    // slowest request's end. Continuous: `batch` requests decode together
+    // and a finished one's place goes to the next, as a server runs; the
+    // modes then alternate every kChunkBatches batches' worth of requests.
+    constexpr size_t kChunkBatches = 4;
+    const size_t chunk = flags.continuous ? kChunkBatches * batch : size_t(batch);
+    const int max_active = flags.continuous ? batch : 0;
     auto chunk_of = [&](size_t begin) {
-      return std::span<const std::vector<int32_t>>(requests).subspan(begin,
-                                                                     std::min<size_t>(batch, requests.size() - begin));
+      return std::span<const std::vector<int32_t>>(requests).subspan(begin, std::min(chunk, requests.size() - begin));
     };
     Point point;
     point.batch = batch;
@@ -276,6 +283,7 @@ void run_bench_spec(const BenchSpecFlags& flags) {
     plain_options.max_new_tokens = flags.max_new_tokens;
     plain_options.sampling = sampling;
     plain_options.seed = flags.seed;
+    plain_options.max_active = max_active;
     auto spec_options = [&](const std::string& schedule) {
       SpeculativeOptions options;
       options.max_new_tokens = flags.max_new_tokens;
@@ -283,13 +291,14 @@ void run_bench_spec(const BenchSpecFlags& flags) {
       options.seed = flags.seed;
       options.gamma = gamma;
       options.scheduler = verify_schedules.scheduler(schedule);
+      options.max_active = max_active;
       return options;
     };
     auto run_spec = [&](size_t begin, size_t m, TimedDecoding* record) {
       const std::span<const std::vector<int32_t>> reference = point.plain.outputs;
       timed_speculative_decoding(
           *target, verify_schedules.source(schedules[m]), chunk_of(begin), spec_options(schedules[m]), record,
-          record ? reference.subspan(begin, std::min<size_t>(batch, reference.size() - begin)) : reference.first(0));
+          record ? reference.subspan(begin, std::min(chunk, reference.size() - begin)) : reference.first(0));
     };
     // An untimed pass first: GEMM algorithm choice and CUDA graph capture happen
     // on a shape's first uses, and every mode should be measured warm.
@@ -300,7 +309,7 @@ void run_bench_spec(const BenchSpecFlags& flags) {
     // all modes alike (the 2-core guest's plain decoding speeds up and slows
     // down by 10-25% over minutes; measured mode after mode, the batch-64
     // ratio of two identical runs came out 0.83 and 0.91).
-    for (size_t begin = 0; begin < requests.size(); begin += batch) {
+    for (size_t begin = 0; begin < requests.size(); begin += chunk) {
       timed_plain_decoding(*target, chunk_of(begin), plain_options, &point.plain);
       for (size_t m = 0; m < schedules.size(); ++m) run_spec(begin, m, &point.modes[m]);
     }
@@ -414,6 +423,7 @@ void run_bench_spec(const BenchSpecFlags& flags) {
               {"gamma", gamma},
               {"temperature", flags.temperature},
               {"schedules", schedules},
+              {"batching", flags.continuous ? "continuous" : "static"},
               {"points", Json::array()}};
   if (!sps_note.empty()) out["sps_profile"] = sps_note;
   if (flags.plot.size()) out["plot"] = flags.plot;
@@ -433,8 +443,9 @@ void run_bench_spec(const BenchSpecFlags& flags) {
     std::cout << out.dump() << std::endl;
     return;
   }
-  std::printf("%s, %zu prompts, gamma %d, temperature %.2f, draft %s\n", out["device"].get<std::string>().c_str(),
-              prompts.size(), gamma, flags.temperature, flags.draft.c_str());
+  std::printf("%s, %zu prompts, gamma %d, temperature %.2f, draft %s, %s batching\n",
+              out["device"].get<std::string>().c_str(), prompts.size(), gamma, flags.temperature, flags.draft.c_str(),
+              flags.continuous ? "continuous" : "static");
   std::printf("tokens/s (speed-up over plain, tau, tokens verified per round; * = an output differed)\n");
   std::printf("batch  requests     plain");
   for (const std::string& schedule : schedules) std::printf("  %30s", schedule.c_str());
@@ -656,6 +667,9 @@ void add_bench_command(CLI::App& app) {
                    "alg1's SPS(B) profile cache (default $DSPARK_CACHE_DIR/sps.json, else "
                    "$XDG_CACHE_HOME or ~/.cache /dspark/sps.json)");
   spec->add_flag("--reprofile", spec_flags->reprofile, "measure SPS(B) again even when cached");
+  spec->add_flag("--continuous", spec_flags->continuous,
+                 "continuous batching: a finished request's place goes to the next waiting one (default: each batch "
+                 "is decoded to its slowest request's end before the next starts)");
   spec->add_option("--gamma", spec_flags->gamma, "most tokens drafted per round (default: the drafter's)")
       ->check(CLI::Range(1, 64));
   spec->add_option("-n,--max-tokens", spec_flags->max_new_tokens, "tokens per prompt")->capture_default_str()

@@ -25,32 +25,45 @@ std::vector<GenerateResult> generate_batch(Target& target, std::span<const std::
                                            const std::function<void(size_t, int32_t)>& on_token) {
   using Clock = std::chrono::steady_clock;
   const ModelConfig& config = target.config();
-  std::vector<int> sequences;
+  DSPARK_CHECK(options.max_active >= 0, "max_active must not be negative");
+  for (const std::vector<int32_t>& prompt : prompts) check_prompt_fits(config, prompt.size());
+  std::vector<int> sequences(prompts.size(), -1);
   std::vector<Rng> streams;
   std::vector<GenerateResult> results(prompts.size());
-  std::vector<TargetInput> inputs;
   for (size_t r = 0; r < prompts.size(); ++r) {
-    check_prompt_fits(config, prompts[r].size());
-    const int capacity = static_cast<int>(
-        std::min<long>(config.max_positions, static_cast<long>(prompts[r].size()) + options.max_new_tokens));
-    sequences.push_back(target.create_sequence(capacity));
     streams.emplace_back(r == 0 ? options.seed : options.seed + 0x9e3779b97f4a7c15ull * r);
     results[r].stop_reason = "length";
-    inputs.push_back({sequences.back(), prompts[r], false});
   }
+  const size_t most_active = options.max_active > 0 ? size_t(options.max_active) : prompts.size();
+  std::vector<TargetInput> inputs;
+  std::vector<size_t> owners;
+  size_t admitted = 0;
+  // Requests waiting for a place join the next forward with their whole
+  // prompt (its last row's logits give their first token).
+  auto admit = [&] {
+    while (admitted < prompts.size() && inputs.size() < most_active) {
+      const size_t r = admitted++;
+      const int capacity = static_cast<int>(
+          std::min<long>(config.max_positions, static_cast<long>(prompts[r].size()) + options.max_new_tokens));
+      sequences[r] = target.create_sequence(capacity);
+      inputs.push_back({sequences[r], prompts[r], false});
+      owners.push_back(r);
+    }
+  };
   std::vector<double> uniforms(prompts.size());
-  std::vector<size_t> owners(prompts.size());
-  for (size_t r = 0; r < prompts.size(); ++r) owners[r] = r;
   TargetRequest request;
   request.sampling = options.sampling;
   TargetResult step;
 
   const auto start = Clock::now();
+  long forwards = 0;
   auto forward = [&] {
+    ++forwards;
     for (size_t i = 0; i < inputs.size(); ++i) uniforms[i] = streams[owners[i]].uniform();
     if (!options.sampling.greedy()) request.uniforms = std::span(uniforms).first(inputs.size());
     target.forward(inputs, request, step);
   };
+  admit();
   forward();
   const auto prefill_done = Clock::now();
   const double prefill_seconds = std::chrono::duration<double>(prefill_done - start).count();
@@ -83,12 +96,14 @@ std::vector<GenerateResult> generate_batch(Target& target, std::span<const std::
     }
     inputs = std::move(next_inputs);
     owners = std::move(next_owners);
+    admit();
     if (!inputs.empty()) forward();
   }
   const double decode_seconds = std::chrono::duration<double>(Clock::now() - prefill_done).count();
   for (GenerateResult& result : results) {
     result.prefill_seconds = prefill_seconds;
     result.decode_seconds = decode_seconds;
+    result.forwards = forwards;
   }
   return results;
 }

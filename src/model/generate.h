@@ -18,13 +18,18 @@ struct GenerateOptions {
   cpu::SamplingParams sampling;  // temperature 0: greedy
   uint64_t seed = 0;             // one uniform per generated token is drawn from Rng(seed)
   bool ignore_eos = false;
+  // At most this many requests decode together (0: all of them); a waiting
+  // request joins the next forward, its prompt beside the others' one token,
+  // as soon as one finishes (continuous batching, as a server runs).
+  int max_active = 0;
 };
 
 struct GenerateResult {
   std::vector<int32_t> tokens;   // generated ids, the stopping EOS included
   std::string stop_reason;       // "eos" | "length" | "context"
-  double prefill_seconds = 0.0;  // the prompt's forward
-  double decode_seconds = 0.0;   // everything after it
+  double prefill_seconds = 0.0;  // the first forward (the prompts admitted at once)
+  double decode_seconds = 0.0;   // everything after it, later admissions' prompts included
+  long forwards = 0;             // forwards the whole batch ran
 };
 
 // Throws if the prompt is empty or does not leave room for one new token in
@@ -32,8 +37,10 @@ struct GenerateResult {
 GenerateResult generate(Target& target, std::span<const int32_t> prompt, const GenerateOptions& options,
                         const std::function<void(int32_t)>& on_token = {});
 
-// A batch of prompts decoded together, one forward per step for all of them.
-// Request r samples with its own stream (Rng(seed) for the first request).
+// A batch of prompts decoded together, one forward per step for all of them
+// (or for max_active of them at a time). Request r samples with its own
+// stream (Rng(seed) for the first request), so its output does not depend on
+// which others share its steps.
 // `on_token(r, id)` sees each id as it is generated.
 std::vector<GenerateResult> generate_batch(Target& target, std::span<const std::vector<int32_t>> prompts,
                                            const GenerateOptions& options,

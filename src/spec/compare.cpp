@@ -13,14 +13,12 @@ void timed_plain_decoding(Target& target, std::span<const std::vector<int32_t>> 
   if (!record || results.empty()) return;
   record->seconds += results[0].prefill_seconds + results[0].decode_seconds;  // one clock for the whole batch
   record->prefill_seconds += results[0].prefill_seconds;
-  long longest = 0;
+  record->steps += results[0].forwards;
   for (GenerateResult& result : results) {
-    longest = std::max(longest, long(result.tokens.size()));
     record->tokens += long(result.tokens.size());
     record->outputs.push_back(std::move(result.tokens));
     record->stop_reasons.push_back(result.stop_reason);
   }
-  record->steps += longest;
 }
 
 void timed_speculative_decoding(Target& target, DraftSource& source, std::span<const std::vector<int32_t>> prompts,

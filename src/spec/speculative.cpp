@@ -78,34 +78,44 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     accept_tapped_rows(source, slot, tokens, step, first_row, tap_width);
   };
   std::vector<Request> requests(prompts.size());
+  for (const std::vector<int32_t>& prompt : prompts) check_prompt_fits(config, prompt.size());
+  DSPARK_CHECK(options.max_active >= 0, "max_active must not be negative");
+  const size_t most_active = options.max_active > 0 ? size_t(options.max_active) : prompts.size();
+  size_t admitted = 0;
   const auto start = Clock::now();
 
-  // Prefill: every prompt token but the last enters the cache (and the
-  // drafter's context); the last one is the first round's pending token.
+  // Admission (all requests at once, or as places free up): every prompt
+  // token but the last enters the cache (and the drafter's context) in one
+  // prefill forward; the last one is the request's first pending token.
   std::vector<TargetInput> inputs;
   std::vector<size_t> owners;
-  for (size_t r = 0; r < prompts.size(); ++r) {
-    const auto& prompt = prompts[r];
-    check_prompt_fits(config, prompt.size());
-    Request& request = requests[r];
-    request.capacity = static_cast<int>(std::min<long>(
-        config.max_positions, long(prompt.size()) + options.max_new_tokens + options.gamma + 1));
-    request.sequence = target.create_sequence(request.capacity);
-    request.pending = prompt.back();
-    request.rng = Rng(stream_seed(options.seed, int(r), 0));
-    request.result.stop_reason = "length";
-    request.result.stats.drafted_at.assign(options.gamma, 0);
-    request.result.stats.accepted_at.assign(options.gamma, 0);
-    source.begin(int(r), prompt, stream_seed(options.seed, int(r), 1));
-    if (prompt.size() > 1) {
-      inputs.push_back({request.sequence, std::span(prompt).first(prompt.size() - 1), false});
-      owners.push_back(r);
-    }
-  }
   TargetRequest prefill_request;
   prefill_request.taps = taps;
   prefill_request.taps_on_device = taps_on_device;
-  if (!inputs.empty()) {
+  auto admit = [&] {
+    size_t in_flight = 0;
+    for (size_t r = 0; r < admitted; ++r) in_flight += !requests[r].done;
+    inputs.clear();
+    owners.clear();
+    for (; admitted < prompts.size() && in_flight < most_active; ++admitted, ++in_flight) {
+      const size_t r = admitted;
+      const auto& prompt = prompts[r];
+      Request& request = requests[r];
+      request.capacity = static_cast<int>(
+          std::min<long>(config.max_positions, long(prompt.size()) + options.max_new_tokens + options.gamma + 1));
+      request.sequence = target.create_sequence(request.capacity);
+      request.pending = prompt.back();
+      request.rng = Rng(stream_seed(options.seed, int(r), 0));
+      request.result.stop_reason = "length";
+      request.result.stats.drafted_at.assign(options.gamma, 0);
+      request.result.stats.accepted_at.assign(options.gamma, 0);
+      source.begin(int(r), prompt, stream_seed(options.seed, int(r), 1));
+      if (prompt.size() > 1) {
+        inputs.push_back({request.sequence, std::span(prompt).first(prompt.size() - 1), false});
+        owners.push_back(r);
+      }
+    }
+    if (inputs.empty()) return;
     target.forward(inputs, prefill_request, step);
     size_t row = 0;
     for (size_t i = 0; i < inputs.size(); ++i) {
@@ -113,7 +123,8 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       row += inputs[i].tokens.size();
     }
     source.finish_accepts();
-  }
+  };
+  admit();
   const auto prefill_done = Clock::now();
 
   std::vector<int> active, limits, remaining, verify_counts;
@@ -124,11 +135,12 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   std::vector<float> target_probs;
   std::vector<int32_t> order;
   while (true) {
+    admit();  // places freed by the last round go to waiting requests
     active.clear();
     limits.clear();
     remaining.clear();
     pending.clear();
-    for (size_t r = 0; r < requests.size(); ++r) {
+    for (size_t r = 0; r < admitted; ++r) {
       Request& request = requests[r];
       if (request.done) continue;
       const int length = target.sequence_length(request.sequence);
@@ -273,7 +285,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       timing->accept_seconds += std::chrono::duration<double>(Clock::now() - verify_done).count();
     }
   }
-  for (size_t r = 0; r < requests.size(); ++r)
+  for (size_t r = 0; r < admitted; ++r)
     if (requests[r].result.stop_reason == "context") {
       target.release_sequence(requests[r].sequence);
       source.end(int(r));

@@ -28,6 +28,10 @@ struct SpeculativeOptions {
   // Decides how much of each proposal one round verifies (e.g. Alg 1,
   // spec/scheduler.h); null: all of it. Not owned.
   VerifyScheduler* scheduler = nullptr;
+  // At most this many requests decode together (0: all of them); a waiting
+  // request is prefilled and joins the rounds as soon as one finishes
+  // (continuous batching). A request's output does not depend on it.
+  int max_active = 0;
 };
 
 struct RoundTrace {
