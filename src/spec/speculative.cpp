@@ -53,6 +53,7 @@ struct Request {
   int capacity = 0;
   int32_t pending = 0;
   bool done = false;
+  bool fresh = false;  // admitted after the start, its prompt not yet in the cache
   Rng rng{0};
   SpeculativeResult result;
 };
@@ -84,15 +85,20 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   size_t admitted = 0;
   const auto start = Clock::now();
 
-  // Admission (all requests at once, or as places free up): every prompt
-  // token but the last enters the cache (and the drafter's context) in one
-  // prefill forward; the last one is the request's first pending token.
+  // Admission: every prompt token but the last enters the cache (and the
+  // drafter's context), the last one being the request's first pending
+  // token. At the start in one prefill forward; a request admitted later,
+  // when a place frees up (max_active), is `fresh`: those prompt tokens ride
+  // in the next round's verify forward, so it costs no forward of its own, and
+  // it drafts from the round after, exactly as if it had been there from the
+  // start (the same random draws: with a schedule that does not look at the
+  // other rows, as the threshold schedule, the same output at any temperature).
   std::vector<TargetInput> inputs;
   std::vector<size_t> owners;
   TargetRequest prefill_request;
   prefill_request.taps = taps;
   prefill_request.taps_on_device = taps_on_device;
-  auto admit = [&] {
+  auto admit = [&](bool at_start) {
     size_t in_flight = 0;
     for (size_t r = 0; r < admitted; ++r) in_flight += !requests[r].done;
     inputs.clear();
@@ -110,7 +116,8 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       request.result.stats.drafted_at.assign(options.gamma, 0);
       request.result.stats.accepted_at.assign(options.gamma, 0);
       source.begin(int(r), prompt, stream_seed(options.seed, int(r), 1));
-      if (prompt.size() > 1) {
+      request.fresh = !at_start && prompt.size() > 1;
+      if (at_start && prompt.size() > 1) {
         inputs.push_back({request.sequence, std::span(prompt).first(prompt.size() - 1), false});
         owners.push_back(r);
       }
@@ -124,7 +131,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     }
     source.finish_accepts();
   };
-  admit();
+  admit(true);
   const auto prefill_done = Clock::now();
 
   std::vector<int> active, limits, remaining, verify_counts;
@@ -135,33 +142,39 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   std::vector<float> target_probs;
   std::vector<int32_t> order;
   while (true) {
-    admit();  // places freed by the last round go to waiting requests
+    admit(false);  // places freed by the last round go to waiting requests
     active.clear();
     limits.clear();
     remaining.clear();
     pending.clear();
-    for (size_t r = 0; r < admitted; ++r) {
-      Request& request = requests[r];
-      if (request.done) continue;
-      const int length = target.sequence_length(request.sequence);
-      if (length >= config.max_positions) {  // no room left even for the pending token
-        request.result.stop_reason = "context";
-        request.done = true;
-        continue;
+    // Requests already decoding first (they may draft), then the fresh ones.
+    size_t established = 0;
+    for (bool fresh : {false, true})
+      for (size_t r = 0; r < admitted; ++r) {
+        Request& request = requests[r];
+        if (request.done || request.fresh != fresh) continue;
+        const int length = target.sequence_length(request.sequence);
+        if (length >= config.max_positions) {  // no room left even for the pending token
+          request.result.stop_reason = "context";
+          request.done = true;
+          continue;
+        }
+        const int left =
+            std::min(options.max_new_tokens - int(request.result.tokens.size()), config.max_positions - length);
+        active.push_back(int(r));
+        pending.push_back(request.pending);
+        remaining.push_back(left);
+        limits.push_back(fresh ? 0 : std::max(0, std::min(options.gamma, left - 1)));
+        established += !fresh;
       }
-      const int left = std::min(options.max_new_tokens - int(request.result.tokens.size()),
-                                config.max_positions - length);
-      active.push_back(int(r));
-      pending.push_back(request.pending);
-      remaining.push_back(left);
-      limits.push_back(std::max(0, std::min(options.gamma, left - 1)));
-    }
     if (active.empty()) break;
     // The scheduler may leave rows undrafted (drafting would not pay): the
     // first `drafting` rows draft, the others take a plain decoding step, their
-    // pending token verified alone.
-    const size_t drafting =
-        options.scheduler ? size_t(options.scheduler->rows_to_draft(remaining)) : active.size();
+    // pending token verified alone. Fresh rows have no draft context yet.
+    const bool any_fresh = established < active.size();
+    const size_t drafting = options.scheduler
+                                ? size_t(options.scheduler->rows_to_draft(std::span(remaining).first(established)))
+                                : established;
     proposals.clear();
     const auto round_start = Clock::now();
     if (drafting > 0)
@@ -202,14 +215,20 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       }
     }
 
-    // One verify forward: each active request's [pending, drafts...].
+    // One verify forward: each active request's [pending, drafts...], and a
+    // fresh one's prompt but its last token (its one logit row unused).
     inputs.clear();
     blocks.assign(active.size(), {});
     for (size_t i = 0; i < active.size(); ++i) {
       Proposal& proposal = proposals[i];
-      blocks[i].push_back(pending[i]);
-      blocks[i].insert(blocks[i].end(), proposal.tokens.begin(), proposal.tokens.end());
-      inputs.push_back({requests[active[i]].sequence, blocks[i], true});
+      const Request& request = requests[active[i]];
+      if (request.fresh) {
+        blocks[i].assign(prompts[active[i]].begin(), prompts[active[i]].end() - 1);
+      } else {
+        blocks[i].push_back(pending[i]);
+        blocks[i].insert(blocks[i].end(), proposal.tokens.begin(), proposal.tokens.end());
+      }
+      inputs.push_back({request.sequence, blocks[i], !request.fresh});
     }
     TargetRequest verify;
     verify.taps = taps;
@@ -219,9 +238,16 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     target.forward(inputs, verify, step);
     const auto verify_done = Clock::now();
 
-    size_t row = 0;
+    size_t row = 0, tap_row = 0;  // logit rows and tapped rows (a fresh request has one of the first)
     for (size_t i = 0; i < active.size(); ++i) {
       Request& request = requests[active[i]];
+      if (request.fresh) {  // its prompt is in the cache now, and enters the source's context: no token yet
+        accept(active[i], blocks[i], tap_row);
+        tap_row += blocks[i].size();
+        row += 1;
+        request.fresh = false;
+        continue;
+      }
       const Proposal& proposal = proposals[i];
       const int n = static_cast<int>(proposal.tokens.size());
       Verdict verdict;
@@ -237,7 +263,8 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       // Keep pending + the accepted drafts in the cache; teach the source the same.
       const int length_before = target.sequence_length(request.sequence) - (n + 1);
       target.truncate_sequence(request.sequence, length_before + 1 + verdict.accepted);
-      accept(active[i], std::span(blocks[i]).first(1 + verdict.accepted), row);
+      accept(active[i], std::span(blocks[i]).first(1 + verdict.accepted), tap_row);
+      tap_row += n + 1;
       row += n + 1;
 
       SpeculativeStats& stats = request.result.stats;
@@ -271,7 +298,8 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     // Round times steer the scheduler only at temperature 0: when sampling,
     // its decisions choose which random numbers are drawn, and a seeded run
     // must repeat exactly, which a clock cannot.
-    if (options.scheduler && options.sampling.greedy())
+    // (Not a round that also took in a fresh prompt: that is not what it predicts.)
+    if (options.scheduler && options.sampling.greedy() && !any_fresh)
       options.scheduler->observe_round(std::chrono::duration<double>(Clock::now() - round_start).count());
     for (int r : active)
       if (requests[r].done) {

@@ -29,8 +29,10 @@ struct SpeculativeOptions {
   // spec/scheduler.h); null: all of it. Not owned.
   VerifyScheduler* scheduler = nullptr;
   // At most this many requests decode together (0: all of them); a waiting
-  // request is prefilled and joins the rounds as soon as one finishes
-  // (continuous batching). A request's output does not depend on it.
+  // request joins as soon as one finishes (continuous batching), its prompt
+  // riding in the next round's verify forward. A request's output does not
+  // depend on it at temperature 0, nor at any temperature unless the
+  // scheduler's decisions do (alg1 weighs the whole batch's confidences).
   int max_active = 0;
 };
 
