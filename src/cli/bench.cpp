@@ -262,15 +262,17 @@ void run_bench_spec(const BenchSpecFlags& flags) {
   };
   std::vector<Point> points;
   for (const int batch : batches) {
-    // At least one full batch: fewer prompts than the batch are repeated to fill it.
-    std::vector<std::vector<int32_t>> requests = prompts;
-    for (size_t i = 0; requests.size() < size_t(batch); ++i) requests.push_back(prompts[i % prompts.size()]);
     // Static batches (the default): each batch of requests is decoded to its
     // slowest request's end. Continuous: `batch` requests decode together
     // and a finished one's place goes to the next, as a server runs; the
-    // modes then alternate every kChunkBatches batches' worth of requests.
+    // modes then alternate every kChunkBatches batches' worth of requests,
+    // and there are at least that many (the run's last requests finish with
+    // fewer in flight: a tail a few batches' worth of requests keeps small).
     constexpr size_t kChunkBatches = 4;
     const size_t chunk = flags.continuous ? kChunkBatches * batch : size_t(batch);
+    // At least one full chunk: fewer prompts are repeated to fill it.
+    std::vector<std::vector<int32_t>> requests = prompts;
+    for (size_t i = 0; requests.size() < chunk; ++i) requests.push_back(prompts[i % prompts.size()]);
     const int max_active = flags.continuous ? batch : 0;
     auto chunk_of = [&](size_t begin) {
       return std::span<const std::vector<int32_t>>(requests).subspan(begin, std::min(chunk, requests.size() - begin));
