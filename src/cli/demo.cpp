@@ -102,7 +102,7 @@ void run_demo(const DemoFlags& flags) {
   const ModelConfig& config = target->config();
   LoadedDraftSource source = load_draft_source(flags.draft, flags.model, *target, 0.0f);
   int requested_gamma = flags.gamma;  // 0: the drafter's
-  if (requested_gamma == 0 && (flags.device == "auto" ? default_device() : flags.device) == "cpu")
+  if (requested_gamma == 0 && resolve_device(flags.device) == "cpu")
     requested_gamma = std::min(kCpuGamma, source.gamma_for(0));
   const int gamma = source.gamma_for(requested_gamma);
   VerifySchedules schedules(*target, source, flags.model, flags.draft, {flags.schedule}, 1, gamma, default_sps_cache_path(),

@@ -55,7 +55,7 @@ void check_data_matches_target(const Dataset& data, const ModelConfig& target, c
 }
 
 void run_train(TrainFlags& flags) {
-  const std::string device = flags.device == "auto" ? default_device() : flags.device;
+  const std::string device = resolve_device(flags.device);
 #ifdef DSPARK_CUDA
   DSPARK_CHECK(device != "cuda" || cuda::device_count() > 0, "--device cuda: no CUDA GPU is visible");
 #else

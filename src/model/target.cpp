@@ -16,9 +16,11 @@ std::string default_device() {
   return "cpu";
 }
 
+std::string resolve_device(const std::string& device) { return device == "auto" ? default_device() : device; }
+
 std::unique_ptr<Target> load_target(const std::filesystem::path& model_directory,
                                     const std::string& device) {
-  const std::string resolved = device == "auto" ? default_device() : device;
+  const std::string resolved = resolve_device(device);
   if (resolved == "cpu") return std::make_unique<CpuTarget>(load_transformer(model_directory));
   if (resolved == "cuda") {
 #ifdef DSPARK_CUDA

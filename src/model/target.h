@@ -83,4 +83,7 @@ std::unique_ptr<Target> load_target(const std::filesystem::path& model_directory
 // What "auto" resolves to on this machine.
 std::string default_device();
 
+// A --device value with "auto" resolved ("cpu", "cuda", or as given).
+std::string resolve_device(const std::string& device);
+
 }  // namespace dspark
