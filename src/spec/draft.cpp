@@ -144,18 +144,15 @@ class SequentialHead {
   void step(const float* e, const float* h, const float* base, float* logits) {
     const int r = rank_, d = width_, V = vocab_;
     float* added = scratch_.data();
-    if (kind_ == "markov" && markov_out_bf16_) {  // base as the product's bias: the same sums, one pass
-      cpu::matmul_forward_small_rows(logits, e, markov_out_bf16_, base, 1, r, V);
-      return;
-    }
-    if (kind_ == "markov") {
-      cpu::matmul_in_out_forward(added, e, markov_out_, markov_out_bf16_, 1, r, V);
-    } else if (kind_ == "rnn") {  // s = tanh(s @ wH + e + bH); B = s @ wO
+    const float* x = e;  // B_k = x @ out
+    const float* out = markov_out_;
+    const uint16_t* out_bf16 = markov_out_bf16_;
+    if (kind_ == "rnn") {  // s = tanh(s @ wH + e + bH); B = s @ wO
       float* pre = added + V;
       cpu::matmul_in_out_forward(pre, state_.data(), recurrent_, recurrent_bf16_, 1, r, r);
       for (int i = 0; i < r; ++i) state_[i] = std::tanh(pre[i] + e[i] + recurrent_bias_[i]);
-      cpu::matmul_in_out_forward(added, state_.data(), recurrent_out_, recurrent_out_bf16_, 1, r, V);
-    } else {  // gru: [g, c, o] = [s; e; h] @ wJ + bJ; s = σ(g) s + (1 - σ(g)) tanh(c); B = tanh(o) @ w2
+      x = state_.data(), out = recurrent_out_, out_bf16 = recurrent_out_bf16_;
+    } else if (kind_ == "gru") {  // [g, c, o] = [s; e; h] @ wJ + bJ; s = σ(g) s + (1 - σ(g)) tanh(c); B = tanh(o) @ w2
       float* z = added + V;          // [2r + d]
       float* gates = z + 2 * r + d;  // [3r]
       std::copy_n(state_.data(), r, z);
@@ -168,9 +165,14 @@ class SequentialHead {
         state_[i] = keep * state_[i] + (1.0f - keep) * std::tanh(gates[r + i] + bias[r + i]);
         z[i] = std::tanh(gates[2 * r + i] + bias[2 * r + i]);  // tanh(o), reusing z's head
       }
-      cpu::matmul_in_out_forward(added, z, markov_out_, markov_out_bf16_, 1, r, V);
+      x = z;
     }
-    for (int i = 0; i < V; ++i) logits[i] = base[i] + added[i];
+    if (out_bf16) {  // base as the product's bias: the same sums as adding them after, in one pass
+      cpu::matmul_forward_small_rows(logits, x, out_bf16, base, 1, r, V);
+    } else {
+      cpu::matmul_in_out_forward(added, x, out, 1, r, V);
+      for (int i = 0; i < V; ++i) logits[i] = base[i] + added[i];
+    }
   }
 
  private:
