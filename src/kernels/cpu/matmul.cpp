@@ -374,8 +374,8 @@ void axpy_chunk_baseline(const void* problem, int chunk) { axpy_chunk<kBaselineT
 // holding input 2k's weight in its high half and 2k + 1's in its low half
 // (zero past the last input or feature). A panel is one AVX-512 vector of
 // words per pair, so every vector of a tile streams its own panel front to
-// back, 64 bytes a pair; the hardware prefetcher keeps up (software prefetch
-// 8-96 pairs ahead measured the same). Panels of 32 features, split between
+// back, 64 bytes a pair (from 3 rows on, requested ahead: prefetch_ahead
+// below). Panels of 32 features, split between
 // tiles of 3 or 5 vectors, were 10-20% slower cold. For the AVX-512 BF16
 // tile the activations, rounded to bf16, are paired into the same words, a
 // row of pairs per activation row.
@@ -595,7 +595,7 @@ int chunk_size(long work, int out_features, int granule) {
 // widening tiles, or in pairs, for the AVX-512 BF16 tile.
 const float* rounded_to_bf16(const float* x, long count) {
   thread_local std::vector<float> rounded;
-  rounded.resize(size_t(count));
+  if (rounded.size() < size_t(count)) rounded.resize(size_t(count));  // grown only: no refill per product
   for (long i = 0; i < count; ++i) rounded[size_t(i)] = bf16_to_f32(f32_to_bf16(x[i]));
   return rounded.data();
 }
