@@ -37,18 +37,33 @@ std::vector<GenerateResult> generate_batch(Target& target, std::span<const std::
   const size_t most_active = options.max_active > 0 ? size_t(options.max_active) : prompts.size();
   std::vector<TargetInput> inputs;
   std::vector<size_t> owners;
+  std::vector<bool> prefixes;  // per input: a prompt but its last token, whose row gives no token
   size_t admitted = 0;
-  // Requests waiting for a place join the next forward with their whole
-  // prompt (its last row's logits give their first token).
-  auto admit = [&] {
+  // Admission: every prompt token but the last enters the cache first, and
+  // the request's first step carries the last one, as speculative decoding
+  // admits (speculative.cpp). A prompt's rows then go through the same
+  // forwards in both modes, so that on the GPU, whose products and attention
+  // give a row the same bits at any row count up to 16, greedy speculative
+  // output is plain output bit for bit. At the start in one prefill forward;
+  // a request admitted later, when a place frees up (max_active), rides in
+  // the next step with its prompt but the last token.
+  auto admit = [&](bool at_start) {
+    std::vector<TargetInput> prefill;
     while (admitted < prompts.size() && inputs.size() < most_active) {
       const size_t r = admitted++;
+      const std::vector<int32_t>& prompt = prompts[r];
       const int capacity = static_cast<int>(
-          std::min<long>(config.max_positions, static_cast<long>(prompts[r].size()) + options.max_new_tokens));
+          std::min<long>(config.max_positions, static_cast<long>(prompt.size()) + options.max_new_tokens));
       sequences[r] = target.create_sequence(capacity);
-      inputs.push_back({sequences[r], prompts[r], false});
+      const TargetInput head{sequences[r], std::span(prompt).first(prompt.size() - 1), false};
+      const bool prefix = !at_start && !head.tokens.empty();
+      if (at_start && !head.tokens.empty()) prefill.push_back(head);
+      inputs.push_back(prefix ? head : TargetInput{sequences[r], std::span(prompt).last(1), false});
       owners.push_back(r);
+      prefixes.push_back(prefix);
     }
+    TargetResult ignored;  // (the prefill's tokens: the step after it gives the first ones)
+    if (!prefill.empty()) target.forward(prefill, TargetRequest{}, ignored);
   };
   std::vector<double> uniforms(prompts.size());
   TargetRequest request;
@@ -59,20 +74,25 @@ std::vector<GenerateResult> generate_batch(Target& target, std::span<const std::
   long forwards = 0;
   auto forward = [&] {
     ++forwards;
-    for (size_t i = 0; i < inputs.size(); ++i) uniforms[i] = streams[owners[i]].uniform();
+    for (size_t i = 0; i < inputs.size(); ++i) uniforms[i] = prefixes[i] ? 0.0 : streams[owners[i]].uniform();
     if (!options.sampling.greedy()) request.uniforms = std::span(uniforms).first(inputs.size());
     target.forward(inputs, request, step);
   };
-  admit();
-  forward();
+  admit(true);
   const auto prefill_done = Clock::now();
   const double prefill_seconds = std::chrono::duration<double>(prefill_done - start).count();
+  forward();
 
   while (!inputs.empty()) {
     std::vector<TargetInput> next_inputs;
     std::vector<size_t> next_owners;
     for (size_t i = 0; i < inputs.size(); ++i) {
       const size_t r = owners[i];
+      if (prefixes[i]) {  // its prompt is in: the next step carries the last token
+        next_inputs.push_back({sequences[r], std::span(prompts[r]).last(1), false});
+        next_owners.push_back(r);
+        continue;
+      }
       GenerateResult& result = results[r];
       const int32_t token = step.tokens[i];
       result.tokens.push_back(token);
@@ -96,7 +116,8 @@ std::vector<GenerateResult> generate_batch(Target& target, std::span<const std::
     }
     inputs = std::move(next_inputs);
     owners = std::move(next_owners);
-    admit();
+    prefixes.assign(inputs.size(), false);
+    admit(false);
     if (!inputs.empty()) forward();
   }
   const double decode_seconds = std::chrono::duration<double>(Clock::now() - prefill_done).count();

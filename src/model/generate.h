@@ -19,17 +19,18 @@ struct GenerateOptions {
   uint64_t seed = 0;             // one uniform per generated token is drawn from Rng(seed)
   bool ignore_eos = false;
   // At most this many requests decode together (0: all of them); a waiting
-  // request joins the next forward, its prompt beside the others' one token,
-  // as soon as one finishes (continuous batching, as a server runs).
+  // request joins the next forward, its prompt but the last token beside the
+  // others' one token, as soon as one finishes (continuous batching, as a
+  // server runs); the step after carries its last prompt token.
   int max_active = 0;
 };
 
 struct GenerateResult {
   std::vector<int32_t> tokens;   // generated ids, the stopping EOS included
   std::string stop_reason;       // "eos" | "length" | "context"
-  double prefill_seconds = 0.0;  // the first forward (the prompts admitted at once)
+  double prefill_seconds = 0.0;  // the prefill of the prompts admitted at once (all their tokens but the last)
   double decode_seconds = 0.0;   // everything after it, later admissions' prompts included
-  long forwards = 0;             // forwards the whole batch ran
+  long forwards = 0;             // decode steps the whole batch ran (the prefill not counted)
 };
 
 // Throws if the prompt is empty or does not leave room for one new token in

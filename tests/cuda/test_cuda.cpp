@@ -199,15 +199,18 @@ TEST(CudaOps, MatmulResidualRmsnormMatchesCpu) {
 }
 
 TEST(CudaOps, GemvKernelsMatchCpuAndTheirFusedEpiloguesEqualTheUnfusedKernels) {
-  // Each GEMV kernel at every row count it takes, out_features with a partial
+  // Each GEMV kernel at the row counts it takes, out_features with a partial
   // last warp and block (1004 = 4 * 251 = 16 * 62 + 12) and one of a single
   // block. The plain product matches the CPU; four features per warp give
-  // exactly the one-feature bits (the same summation order); a fused epilogue
-  // gives exactly the bits of the kernel's plain product followed by the
-  // activation or norm kernel.
+  // exactly the one-feature bits (the same summation order); on the tensor
+  // cores every row has exactly the bits of the same row multiplied alone
+  // (the target's decode and verify steps rely on it); a fused epilogue gives
+  // exactly the bits of the kernel's plain product followed by the activation
+  // or norm kernel. in = 288: a multiple of 32 but not of the tensor cores'
+  // chunk of 64.
   using cuda::GemvKernel;
-  const int in = 256;
-  for (int rows = 1; rows <= 16; ++rows) {
+  const int in = 288;
+  for (int rows : {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64}) {
     for (int out_features : {1004, 24}) {
       const auto x = bf16_rounded(random_values(rows * in, 110 + rows, 2.0f));
       const auto weight = bf16_rounded(random_values(2 * out_features * in, 111));
@@ -234,6 +237,17 @@ TEST(CudaOps, GemvKernelsMatchCpuAndTheirFusedEpiloguesEqualTheUnfusedKernels) {
         if (kernel == GemvKernel::OneFeaturePerWarp) one_feature = values;
         if (kernel == GemvKernel::FourFeaturesPerWarp) {
           EXPECT_EQ(values, one_feature) << what;
+        }
+        if (kernel == GemvKernel::TensorCores) {
+          DeviceBuffer<float> row_alone(2 * out_features);
+          for (int r = 0; r < rows; ++r) {
+            cuda::gemv_matmul_forward(row_alone.data(), cuda::MatmulOutput::F32, cuda::GemvEpilogue::Store, kernel,
+                                      x_device.data() + r * in, weight_device.data(), bias_device.data(), 1, in,
+                                      2 * out_features, {}, nullptr);
+            EXPECT_TRUE(std::equal(values.begin() + size_t(r) * 2 * out_features,
+                                   values.begin() + size_t(r + 1) * 2 * out_features, from_device(row_alone).begin()))
+                << what << ", row " << r << " differs from the row alone";
+          }
         }
         DeviceBuffer<bf16> gate_up(size_t(rows) * 2 * out_features);
         gemv(gate_up.data(), cuda::MatmulOutput::BF16, cuda::GemvEpilogue::Store, 2 * out_features, {});
@@ -493,6 +507,64 @@ TEST_P(CudaGolden, GraphedDecodeMatchesFullForward) {
   cuda_->release_sequence(sequence);
 }
 
+TEST_P(CudaGolden, VerifyRowsHaveTheBitsOfRowsDecodedAlone) {
+  // The lossless claim on the GPU: k tokens verified in one step (k = 2..16,
+  // one sequence, or two sequences of 8) give each row exactly the logits of
+  // the same token decoded alone, one step per token, after the same prefill.
+  // With that, greedy speculative decoding cannot part from plain decoding at
+  // a bf16 near-tie.
+  const int V = cuda_->config().vocab_size;
+  const std::vector<std::vector<int32_t>> prompts = {prompt(2), prompt(1)};
+  const std::vector<int> decoded = {16, 8};  // tokens of each decoded alone
+  const int prefilled = 3;
+  TargetRequest request;
+  request.want_logits = true;
+  auto prefill = [&](size_t p) {
+    const int sequence = cuda_->create_sequence(64);
+    TargetInput input{sequence, std::span(prompts[p]).first(prefilled), false};
+    TargetResult ignored;
+    cuda_->forward({&input, 1}, TargetRequest{}, ignored);
+    return sequence;
+  };
+  // Every prompt's rows prefilled.. prefilled + k - 1, decoded one token a step.
+  std::vector<std::vector<float>> alone(prompts.size());
+  for (size_t p = 0; p < prompts.size(); ++p) {
+    ASSERT_GE(prompts[p].size(), size_t(prefilled + decoded[p])) << "prompt " << p;
+    const int sequence = prefill(p);
+    for (int i = 0; i < decoded[p]; ++i) {
+      TargetInput input{sequence, std::span(prompts[p]).subspan(prefilled + i, 1), false};
+      TargetResult step;
+      cuda_->forward({&input, 1}, request, step);
+      alone[p].insert(alone[p].end(), step.logits.begin(), step.logits.end());
+    }
+    cuda_->release_sequence(sequence);
+  }
+  auto expect_rows_equal = [&](const float* rows, size_t p, int count, const std::string& what) {
+    for (int i = 0; i < count; ++i)
+      EXPECT_EQ(0, std::memcmp(rows + size_t(i) * V, alone[p].data() + size_t(i) * V, V * sizeof(float)))
+          << what << ", row " << i << " differs from the row decoded alone";
+  };
+  for (int k : {2, 5, 8, 16}) {
+    for (int repeat = 0; repeat < 2; ++repeat) {  // eager, then a graph replay
+      const int sequence = prefill(0);
+      TargetInput input{sequence, std::span(prompts[0]).subspan(prefilled, k), true};
+      TargetResult verify;
+      cuda_->forward({&input, 1}, request, verify);
+      expect_rows_equal(verify.logits.data(), 0, k, std::to_string(k) + " tokens in one step");
+      cuda_->release_sequence(sequence);
+    }
+  }
+  const int first = prefill(0), second = prefill(1);
+  std::vector<TargetInput> inputs = {{first, std::span(prompts[0]).subspan(prefilled, 8), true},
+                                     {second, std::span(prompts[1]).subspan(prefilled, 8), true}};
+  TargetResult verify;
+  cuda_->forward(inputs, request, verify);
+  expect_rows_equal(verify.logits.data(), 0, 8, "two sequences of 8 tokens, the first");
+  expect_rows_equal(verify.logits.data() + size_t(8) * V, 1, 8, "two sequences of 8 tokens, the second");
+  cuda_->release_sequence(first);
+  cuda_->release_sequence(second);
+}
+
 TEST_P(CudaGolden, PaddedBatchMatchesSingleSequences) {
   // Three ragged-history sequences decoding together: bucket 4, one padding sequence.
   const int V = cuda_->config().vocab_size;
@@ -675,6 +747,24 @@ TEST_P(CudaGolden, SpeculativeGreedyEqualsPlainOnTheGpu) {
                   exact, prompts.size() * count);
     }
   }
+  // One request at a time, every step has at most 16 rows: the products and
+  // attention give each row its bits at any row count
+  // (VerifyRowsHaveTheBitsOfRowsDecodedAlone), so the tokens are equal
+  // exactly, near-ties included.
+  options.gamma = 6;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const std::vector<std::vector<int32_t>> one = {prompts[i]};
+    const auto plain_alone = generate_batch(*cuda_, one, plain_options);
+    const auto spec_alone = speculative_generate(*cuda_, dspark_source, one, options);
+    EXPECT_EQ(spec_alone[0].tokens, plain_alone[0].tokens) << "prompt " << i;
+  }
+  // Likewise one after another under continuous batching, where each prompt
+  // but its last token rides in a step of its own.
+  plain_options.max_active = options.max_active = 1;
+  const auto plain_queued = generate_batch(*cuda_, prompts, plain_options);
+  const auto spec_queued = speculative_generate(*cuda_, dspark_source, prompts, options);
+  for (size_t i = 0; i < prompts.size(); ++i)
+    EXPECT_EQ(spec_queued[i].tokens, plain_queued[i].tokens) << "prompt " << i << ", one at a time";
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, CudaGolden, ::testing::Values("qwen3", "llama"));

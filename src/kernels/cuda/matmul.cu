@@ -196,22 +196,30 @@ void launch_gemv(void* out, bool out_f32, const bf16* x, const bf16* weight, con
   CUDA_CHECK_LAUNCH();
 }
 
-// Up to 16 rows on the tensor cores: mma.sync m16n8k16 (bf16 operands, f32
+// Up to 64 rows on the tensor cores: mma.sync m16n8k16 (bf16 operands, f32
 // accumulation) with 16 weight rows as the A operand and the activation rows
-// as its n columns (two n tiles for 9-16 rows). The CUDA-core GEMV spends an
+// as its n columns (1, 2, 4 or 8 n tiles of 8 rows). The CUDA-core GEMV spends an
 // FMA and a conversion per weight, row and element and runs out of issue
 // slots from a few rows (verify blocks); here the rows cost tensor-core
 // cycles, which are plentiful, and the kernel stays bound by the weight stream.
 // A block owns 16 weight rows: 16 output features, or, gated, 8 features'
 // gate rows and their 8 up rows (fragment rows g and g + 8 of lane (g, c) =
 // (lane / 4, lane % 4), so one lane holds a feature's gate and up sums). Its
-// kMmaWarps warps split K in chunks of 32 and meet in shared memory. Lane
-// (g, c) loads 16 bytes of weight rows g and g + 8 and of activation row g at
-// k + 8c; both operands see K in the same permuted order (the mma's k 2c,
-// 2c+1, 2c+8, 2c+9 are elements 0-3 of those 16 bytes, and the second mma's
-// are elements 4-7), which the sum does not notice.
+// kMmaWarps warps split K in chunks of kMmaChunk and meet in shared memory.
+// In a chunk at k, lane (g, c) loads 32 bytes of weight rows g and g + 8 and
+// of activation row g at k + 16c, as two 16-byte pieces; both operands see K
+// in the same permuted order (an mma's k 2c, 2c+1, 2c+8, 2c+9 are elements
+// 0-3 of a piece, and the next mma's are elements 4-7), which the sum does not
+// notice. Chunks of 64 put 128 contiguous bytes of a weight row in each warp
+// load (chunks of 32: 64 bytes, and the 8B decode step 12% slower in a graph;
+// 128: 45% slower). This is the target's kernel for every step of up to
+// kInvariantRows rows, so the chunk fixes the order of its sums: changing it
+// changes bits.
 constexpr int kMmaWarps = 8;
-constexpr int kMmaMaxRows = 16;
+constexpr int kMmaChunk = 64;
+constexpr int kMmaMaxRows = 64;
+// The target's steps of up to this many rows run the tensor-core GEMV alone (matmul() below).
+constexpr int kInvariantRows = 16;
 
 __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                              uint32_t b0, uint32_t b1) {
@@ -234,23 +242,35 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   const int first = blockIdx.x * (kGated ? 8 : 16);
   const int low = first + g, high = kGated ? first + g : first + g + 8;
   const bool low_valid = low < out_features, high_valid = high < out_features;
-  const bf16* low_row = weight + static_cast<long>(low_valid ? low : 0) * in + 8 * c;
-  const bf16* high_row = weight + (static_cast<long>(high_valid ? high : 0) + (kGated ? out_features : 0)) * in + 8 * c;
+  const bf16* low_row = weight + static_cast<long>(low_valid ? low : 0) * in;
+  const bf16* high_row = weight + (static_cast<long>(high_valid ? high : 0) + (kGated ? out_features : 0)) * in;
   const bf16* x_rows[TILES];
 #pragma unroll
-  for (int t = 0; t < TILES; ++t) x_rows[t] = x + static_cast<long>(min(t * 8 + g, rows - 1)) * in + 8 * c;
+  for (int t = 0; t < TILES; ++t) x_rows[t] = x + static_cast<long>(min(t * 8 + g, rows - 1)) * in;
   float sums[TILES][4] = {};
   const uint4 zero = make_uint4(0, 0, 0, 0);
-#pragma unroll 4
-  for (int k = warp * 32; k < in; k += kMmaWarps * 32) {
-    const uint4 a_low = low_valid ? __ldcs(reinterpret_cast<const uint4*>(low_row + k)) : zero;
-    const uint4 a_high = high_valid ? __ldcs(reinterpret_cast<const uint4*>(high_row + k)) : zero;
+  constexpr int kPieces = kMmaChunk / 32;  // 16-byte pieces per lane and row in a step
+#pragma unroll(4 / kPieces)
+  for (int k = warp * kMmaChunk; k < in; k += kMmaWarps * kMmaChunk) {
+    // Lane (g, c) owns elements k + c * kMmaChunk / 4 .. + kMmaChunk / 4 of
+    // every row (all past `in`, or none: in is a multiple of 32; past it, zeros).
+    const int own = k + c * (kMmaChunk / 4);
+    const bool inside = own < in;
+    uint4 a_low[kPieces], a_high[kPieces];
+#pragma unroll
+    for (int piece = 0; piece < kPieces; ++piece) {
+      a_low[piece] = low_valid && inside ? __ldcs(reinterpret_cast<const uint4*>(low_row + own + 8 * piece)) : zero;
+      a_high[piece] = high_valid && inside ? __ldcs(reinterpret_cast<const uint4*>(high_row + own + 8 * piece)) : zero;
+    }
 #pragma unroll
     for (int t = 0; t < TILES; ++t) {
-      // rows past `rows` repeat the last row: their columns are never stored
-      const uint4 b = __ldg(reinterpret_cast<const uint4*>(x_rows[t] + k));
-      mma_m16n8k16(sums[t], a_low.x, a_high.x, a_low.y, a_high.y, b.x, b.y);
-      mma_m16n8k16(sums[t], a_low.z, a_high.z, a_low.w, a_high.w, b.z, b.w);
+#pragma unroll
+      for (int piece = 0; piece < kPieces; ++piece) {
+        // rows past `rows` repeat the last row: their columns are never stored
+        const uint4 b = inside ? __ldg(reinterpret_cast<const uint4*>(x_rows[t] + own + 8 * piece)) : zero;
+        mma_m16n8k16(sums[t], a_low[piece].x, a_high[piece].x, a_low[piece].y, a_high[piece].y, b.x, b.y);
+        mma_m16n8k16(sums[t], a_low[piece].z, a_high[piece].z, a_low[piece].w, a_high[piece].w, b.z, b.w);
+      }
     }
   }
   __shared__ float partial[kMmaWarps][TILES][4][32];
@@ -307,7 +327,10 @@ void tensor_gemv_forward(void* out, MatmulOutput out_type, const bf16* x, const 
   const int vectors = EPILOGUE == Epilogue::ResidualNorm ? residual_norm_vectors(out_features, norm.tap_stride) : 0;
   const int blocks = ceil_div(out_features, kGated ? 8 : 16);
   const bool f32 = out_type == MatmulOutput::F32;
-  auto kernel = rows <= 8 ? tensor_gemv_kernel<1, EPILOGUE> : tensor_gemv_kernel<2, EPILOGUE>;
+  auto kernel = rows <= 8    ? tensor_gemv_kernel<1, EPILOGUE>
+                : rows <= 16 ? tensor_gemv_kernel<2, EPILOGUE>
+                : rows <= 32 ? tensor_gemv_kernel<4, EPILOGUE>
+                             : tensor_gemv_kernel<8, EPILOGUE>;
   launch_dependent(kernel, blocks, kMmaWarps * 32, 0, stream, out, f32, x, weight, bias, rows, in, out_features, norm,
                    vectors);
   CUDA_CHECK_LAUNCH();
@@ -448,29 +471,33 @@ class MatmulContext {
     plan.algorithm = result.algo;
     return plans_.emplace(key, plan).first->second;
   }
-  // The MatmulPath that runs this shape fastest: every candidate timed once,
+  // The MatmulPath that runs this shape fastest: every candidate (cuBLASLt
+  // when with_cublaslt, each GEMV kernel fused and unfused) timed once,
   // outside any graph capture (a shape's first use), then remembered.
   // run(path) computes the product along `path`.
   // With no GEMV candidate the choice is cuBLASLt, untimed.
   template <class Run>
-  MatmulPath choose(const PathKey& key, const std::vector<GemvKernel>& gemv_kernels, bool epilogue_kernel, Run run,
-                    cudaStream_t stream) {
+  MatmulPath choose(const PathKey& key, const std::vector<GemvKernel>& gemv_kernels, bool with_cublaslt,
+                    bool epilogue_kernel, Run run, cudaStream_t stream) {
     if (gemv_kernels.empty()) return remember(key, MatmulPath{});
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
     DSPARK_CHECK(capturing == cudaStreamCaptureStatusNone, "matmul: shape first seen during graph capture");
-    MatmulPath chosen;  // cuBLASLt
-    float best = time_launches([&] { run(chosen); }, stream);
-    std::string times = "cuBLASLt " + std::to_string(1e3f * best);
-    for (GemvKernel kernel : gemv_kernels) {
-      for (bool fused : {true, false}) {
-        if (!fused && !epilogue_kernel) continue;  // a plain product: the two are the same
-        const MatmulPath path{kernel, fused};
-        const float time = time_launches([&] { run(path); }, stream);
-        static const char* const names[] = {"", "GEMV 1 feature/warp", "GEMV 4 features/warp", "GEMV tensor cores"};
-        times += std::string(", ") + names[int(kernel)] + (fused ? "" : " unfused") + " " + std::to_string(1e3f * time);
-        if (time < best) best = time, chosen = path;
-      }
+    std::vector<MatmulPath> candidates;
+    if (with_cublaslt) candidates.push_back(MatmulPath{});
+    for (GemvKernel kernel : gemv_kernels)
+      for (bool fused : {true, false})
+        if (fused || epilogue_kernel) candidates.push_back({kernel, fused});  // a plain product: the two are the same
+    MatmulPath chosen;
+    float best = FLT_MAX;
+    std::string times;
+    for (const MatmulPath& path : candidates) {
+      const float time = time_launches([&] { run(path); }, stream);
+      static const char* const names[] = {"cuBLASLt", "GEMV 1 feature/warp", "GEMV 4 features/warp",
+                                          "GEMV tensor cores"};
+      times += std::string(times.empty() ? "" : ", ") + names[int(path.gemv)] + (path.fused ? "" : " unfused") + " " +
+               std::to_string(1e3f * time);
+      if (time < best) best = time, chosen = path;
     }
     static const bool log = std::getenv("DSPARK_MATMUL_LOG") != nullptr;
     if (log)
@@ -520,10 +547,12 @@ namespace {
 
 // The product and its epilogue, by GEMV or cuBLASLt, whichever this shape
 // runs faster with (timed once per shape). The choice can differ between row
-// counts, and so can cuBLASLt's algorithm: a row's bits may then depend on
-// how many rows share its step (docs/PERF.md, "verify invariance"). Forcing
-// the GEMV on every row count up to 8 removed that, but cost 28% of decode
-// speed and made verify blocks 2-5x dearer, so it is not done.
+// counts, and so can cuBLASLt's algorithm: a row's bits would then depend on
+// how many rows share its step (docs/PERF.md, "verify invariance"). So the
+// target's products of up to kInvariantRows rows (FewRowKernels::DecodeFamily)
+// run the tensor-core GEMV alone, whose sums do not depend on the row count;
+// from there to 64 rows it competes with cuBLASLt (at 8B-size shapes
+// cuBLASLt is 20-40% faster there; a small model in L2 takes the GEMV).
 // gate_up: scratch [rows, 2 * out] for a gated epilogue on cuBLASLt.
 void matmul(void* out, MatmulOutput out_type, Epilogue epilogue, const bf16* x, const bf16* weight, const bf16* bias,
             int rows, int in_features, int out_features, bf16* gate_up, const ResidualNorm& norm, cudaStream_t stream,
@@ -561,18 +590,19 @@ void matmul(void* out, MatmulOutput out_type, Epilogue epilogue, const bf16* x, 
   std::vector<GemvKernel> kernels = gemv_kernels(rows, in_features);
   if (epilogue == Epilogue::ResidualNorm && residual_norm_vectors(out_features, norm.tap_stride) == 0)
     kernels.clear();  // (the unfused path would do; not worth a case: no model of ours has such rows)
-  // The target's products: tensor cores only where the CUDA-core GEMV cannot
-  // run. Its sums do not depend on the row count, so a verify row it computes
-  // has the bits of the same row decoded alone, and greedy speculative output
-  // stays that of plain decoding through bf16 near-ties (FewRowKernels).
-  if (rows <= kGemvMaxRows && kernels_allowed == FewRowKernels::DecodeFamily)
-    kernels.erase(std::remove(kernels.begin(), kernels.end(), GemvKernel::TensorCores), kernels.end());
+  // The target's decode and verify steps: the tensor-core GEMV alone (fused
+  // or not: the same bits), so that a verify row has the bits of the same row
+  // decoded alone, and greedy speculative output is plain output bit for bit
+  // through bf16 near-ties (FewRowKernels).
+  const bool row_invariant = kernels_allowed == FewRowKernels::DecodeFamily && rows <= kInvariantRows &&
+                             std::find(kernels.begin(), kernels.end(), GemvKernel::TensorCores) != kernels.end();
+  if (row_invariant) kernels = {GemvKernel::TensorCores};
   if (epilogue != Epilogue::ResidualNorm || kernels.empty())
-    return run(matmul.choose(key, kernels, epilogue != Epilogue::Store, run, stream));
+    return run(matmul.choose(key, kernels, !row_invariant, epilogue != Epilogue::Store, run, stream));
   // Timing runs add into the residual stream: it is put back before the real run.
   DeviceBuffer<float> saved(size_t(rows) * out_features);
   CUDA_CHECK(cudaMemcpyAsync(saved.data(), norm.residual, saved.bytes(), cudaMemcpyDeviceToDevice, stream));
-  const MatmulPath path = matmul.choose(key, kernels, true, run, stream);
+  const MatmulPath path = matmul.choose(key, kernels, !row_invariant, true, run, stream);
   CUDA_CHECK(cudaMemcpyAsync(norm.residual, saved.data(), saved.bytes(), cudaMemcpyDeviceToDevice, stream));
   CUDA_CHECK(cudaStreamSynchronize(stream));  // before `saved` is freed
   run(path);

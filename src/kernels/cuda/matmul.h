@@ -3,10 +3,11 @@
 // Shapes as on the CPU: x [rows, in], weight [out, in] (nn.Linear layout),
 // bias [out] or null, out [rows, out].
 //
-// Up to 16 rows may run a weight-streaming GEMV where it times faster than
+// Up to 64 rows may run a weight-streaming GEMV where it times faster than
 // cuBLASLt (CUDA cores or tensor cores, the epilogue fused in): every way is
-// timed once per shape and the fastest kept (DSPARK_MATMUL_LOG=1 prints each shape's times; DSPARK_GEMV=0
-// runs cuBLASLt only).
+// timed once per shape and the fastest kept (DSPARK_MATMUL_LOG=1 prints each
+// shape's times; DSPARK_GEMV=0 runs cuBLASLt only), except for the target's
+// products, below.
 // The cuBLASLt algorithm for each (rows, in, out, output type, bias) is chosen
 // once by its heuristic and cached with its descriptors, so a call inside CUDA
 // graph capture never queries the heuristic (warm each shape up first).
@@ -20,11 +21,13 @@ namespace dspark::cuda {
 
 enum class MatmulOutput { BF16, F32 };
 
-// Which kernels may run a product of up to 8 rows. DecodeFamily (the
-// target): the CUDA-core GEMV or cuBLASLt, not the tensor cores, so that
-// where the GEMV runs a verify row has the bits of the same row decoded alone.
-// Any (the drafter, which has no such pairing): the tensor-core GEMV competes
-// too, and wins most of its 7-row shapes (8B-size drafter: 9-13 -> 7-9 us).
+// Which kernels may run a product of few rows. DecodeFamily (the target): up
+// to 16 rows, the tensor-core GEMV alone, whose per-row sums do not depend on
+// how many rows share the product, so that a verify row has the bits of the
+// same row decoded alone and greedy speculative output is plain output bit
+// for bit (for 17-64 rows, whichever of it and cuBLASLt times faster).
+// Any (the drafter, which has no such pairing): whichever kernel times
+// fastest (the tensor-core GEMV wins most of its 7-row shapes).
 enum class FewRowKernels { DecodeFamily, Any };
 
 void matmul_forward(void* out, MatmulOutput out_type, const __nv_bfloat16* x, const __nv_bfloat16* weight,
@@ -64,7 +67,7 @@ void matmul_residual_rmsnorm_forward(__nv_bfloat16* delta, const __nv_bfloat16* 
                                      FewRowKernels kernels = FewRowKernels::DecodeFamily);
 
 // The GEMVs alone: on the CUDA cores with 1 or 4 output features per warp
-// (1..8 rows, in_features a multiple of 8), or on the tensor cores (1..16
+// (1..8 rows, in_features a multiple of 8), or on the tensor cores (1..64
 // rows, in_features a multiple of 32). The products above time each against
 // cuBLASLt on a shape's first use and keep the fastest; tests hold each to
 // the CPU and to the unfused kernels. Silu / GeluTanh: weight and bias are
