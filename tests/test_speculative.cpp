@@ -220,6 +220,79 @@ TEST(ContinuousBatching, EachRequestGetsItsOwnOutput) {
   }
 }
 
+// A target that records the tokens of every input of every forward.
+class RecordingTarget : public Target {
+ public:
+  explicit RecordingTarget(Target& inner) : inner_(inner) {}
+  const ModelConfig& config() const override { return inner_.config(); }
+  std::string device_description() const override { return inner_.device_description(); }
+  int create_sequence(int capacity) override { return inner_.create_sequence(capacity); }
+  void release_sequence(int sequence) override { inner_.release_sequence(sequence); }
+  int sequence_length(int sequence) const override { return inner_.sequence_length(sequence); }
+  void truncate_sequence(int sequence, int length) override { inner_.truncate_sequence(sequence, length); }
+  void forward(std::span<const TargetInput> inputs, const TargetRequest& request, TargetResult& result) override {
+    std::vector<std::vector<int32_t>> tokens;
+    for (const TargetInput& input : inputs) tokens.emplace_back(input.tokens.begin(), input.tokens.end());
+    forwards.push_back(std::move(tokens));
+    inner_.forward(inputs, request, result);
+  }
+  std::vector<std::vector<std::vector<int32_t>>> forwards;  // [forward][input] tokens
+
+ private:
+  Target& inner_;
+};
+
+TEST(ContinuousBatching, PlainAndSpeculativeDecodingTakeAPromptInTheSameForwards) {
+  // A prompt's tokens but the last enter the cache in one forward, whose
+  // inputs are the same in plain and speculative decoding; the last prompt
+  // token starts the request's input in the next forward. The GPU's kernels
+  // give a row the same bits at any row count up to 16 per step, so this is
+  // what keeps greedy speculative output equal to plain output bit for bit
+  // there (tests/cuda: SpeculativeGreedyEqualsPlainOnTheGpu).
+  const Transformer& model = golden("qwen3");
+  const auto prompts = test_prompts("qwen3");
+  const Drafter drafter = random_drafter(model.config, "markov", 4, 23, 3.0f);
+  DSparkSource source(drafter, target_head_of(model));
+  CpuTarget cpu(model);
+  for (int max_active : {0, 1, 2}) {
+    GenerateOptions plain_options;
+    plain_options.max_new_tokens = 6;
+    plain_options.max_active = max_active;
+    SpeculativeOptions speculative_options;
+    speculative_options.max_new_tokens = 6;
+    speculative_options.gamma = 4;
+    speculative_options.max_active = max_active;
+    RecordingTarget plain(cpu), speculative(cpu);
+    generate_batch(plain, prompts, plain_options);
+    speculative_generate(speculative, source, prompts, speculative_options);
+    // The forward carrying each prompt but its last token, and the one after it.
+    auto admission = [&](const RecordingTarget& target, const std::vector<int32_t>& prompt) {
+      const std::vector<int32_t> head(prompt.begin(), prompt.end() - 1);
+      for (size_t f = 0; f + 1 < target.forwards.size(); ++f)
+        for (const auto& tokens : target.forwards[f])
+          if (tokens == head) return f;
+      ADD_FAILURE() << "no forward carries the prompt but its last token";
+      return target.forwards.size();
+    };
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      if (prompts[i].size() < 2) continue;  // (nothing but the last token)
+      const std::string what = "max_active " + std::to_string(max_active) + ", prompt " + std::to_string(i);
+      const size_t p = admission(plain, prompts[i]), s = admission(speculative, prompts[i]);
+      if (p >= plain.forwards.size() || s >= speculative.forwards.size()) continue;
+      if (max_active != 2) {  // (at 2, the other row's input differs: one token against a verify block)
+        EXPECT_EQ(plain.forwards[p], speculative.forwards[s]) << what;
+      }
+      const auto starts_with_last = [&](const std::vector<std::vector<int32_t>>& forward) {
+        return std::any_of(forward.begin(), forward.end(), [&](const std::vector<int32_t>& tokens) {
+          return !tokens.empty() && tokens[0] == prompts[i].back() && tokens.size() <= 1 + 4;
+        });
+      };
+      EXPECT_TRUE(starts_with_last(plain.forwards[p + 1])) << what << ", plain";
+      EXPECT_TRUE(starts_with_last(speculative.forwards[s + 1])) << what << ", speculative";
+    }
+  }
+}
+
 TEST(SpeculativeLimits, ContextEndAndEosStopLikePlainDecoding) {
   const Transformer& model = golden("qwen3");
   const int room = 12;
