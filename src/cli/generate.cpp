@@ -101,12 +101,14 @@ void run_generate(const GenerateFlags& flags) {
   std::vector<int32_t> text_tokens = tokens;
   if (stop_reason == "eos") text_tokens.pop_back();
   const double tokens_per_s = decode_seconds > 0 ? tokens.size() / decode_seconds : 0.0;
+  // Both modes prefill every prompt token but the last, which the first step carries.
+  const size_t prefilled = prompt.size() - 1;
   if (flags.json) {
     Json stats = {{"tokens_per_s", tokens_per_s},
                   {"generated_tokens", tokens.size()},
                   {"prefill_ms", prefill_seconds * 1e3},
                   {"decode_ms", decode_seconds * 1e3},
-                  {"prefill_tokens_per_s", prefill_seconds > 0 ? prompt.size() / prefill_seconds : 0.0}};
+                  {"prefill_tokens_per_s", prefilled > 0 && prefill_seconds > 0 ? prefilled / prefill_seconds : 0.0}};
     stats.update(extra);
     Json out = {{"text", tokenizer.decode(text_tokens)}, {"tokens", tokens},
                 {"prompt_tokens", prompt.size()},        {"stop_reason", stop_reason},
@@ -118,8 +120,8 @@ void run_generate(const GenerateFlags& flags) {
   std::fputs(stream.finish().c_str(), stdout);
   std::fputs("\n", stdout);
   std::fflush(stdout);
-  std::fprintf(stderr, "[%zu prompt tokens in %.1f ms; %zu tokens in %.1f ms, %.1f tokens/s; stop: %s",
-               prompt.size(), prefill_seconds * 1e3, tokens.size(), decode_seconds * 1e3, tokens_per_s,
+  std::fprintf(stderr, "[%zu prompt tokens (%zu prefilled in %.1f ms); %zu tokens in %.1f ms, %.1f tokens/s; stop: %s",
+               prompt.size(), prefilled, prefill_seconds * 1e3, tokens.size(), decode_seconds * 1e3, tokens_per_s,
                stop_reason.c_str());
   if (!flags.draft.empty())
     std::fprintf(stderr, "; tau %.2f over %ld rounds", extra["tau"].get<double>(), extra["rounds"].get<long>());
