@@ -230,6 +230,7 @@ class RecordingTarget : public Target {
   void release_sequence(int sequence) override { inner_.release_sequence(sequence); }
   int sequence_length(int sequence) const override { return inner_.sequence_length(sequence); }
   void truncate_sequence(int sequence, int length) override { inner_.truncate_sequence(sequence, length); }
+  int row_invariant_rows() const override { return inner_.row_invariant_rows(); }
   void forward(std::span<const TargetInput> inputs, const TargetRequest& request, TargetResult& result) override {
     std::vector<std::vector<int32_t>> tokens;
     for (const TargetInput& input : inputs) tokens.emplace_back(input.tokens.begin(), input.tokens.end());
@@ -349,6 +350,7 @@ class FreshPrefillChecker final : public Target {
     inner_.truncate_sequence(sequence, length);
     history_[sequence].resize(length);
   }
+  int row_invariant_rows() const override { return inner_.row_invariant_rows(); }
   void forward(std::span<const TargetInput> inputs, const TargetRequest& request, TargetResult& result) override {
     TargetRequest with_logits = request;
     with_logits.want_logits = true;

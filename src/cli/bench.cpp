@@ -225,15 +225,14 @@ struct BenchSpecFlags {
 // run's verify cost; several print (and --plot draws) tokens/s against batch size.
 void run_bench_spec(const BenchSpecFlags& flags) {
   const std::unique_ptr<Target> target = load_target(flags.model, flags.device);
-  // Where greedy outputs are exact (tests hold it): a row's bits do not depend
-  // on how many rows share its step up to a bound per device.
+  // Where greedy outputs are exact: Target::row_invariant_rows.
   auto print_exactness_note = [&] {
     if (flags.temperature > 0) return;  // sampled: the two modes draw different random numbers
-    const bool gpu = resolve_device(flags.device) == "cuda";
+    const int exact = target->row_invariant_rows();
     std::printf(
         "(greedy outputs are identical while every step has at most %d rows, batch x (gamma + 1) <= %d; "
         "larger steps may take kernels that round a near-tie differently)\n",
-        gpu ? 16 : 64, gpu ? 16 : 64);
+        exact, exact);
   };
   const Tokenizer tokenizer = Tokenizer::load(flags.model);
   const ModelConfig& config = target->config();

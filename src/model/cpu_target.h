@@ -1,5 +1,6 @@
 // CpuTarget: the Target interface over the f32 reference forward.
 #pragma once
+#include <limits>
 #include <map>
 
 #include "kernels/cpu/matmul.h"
@@ -19,6 +20,11 @@ class CpuTarget final : public Target {
   void truncate_sequence(int sequence, int length) override;
   void forward(std::span<const TargetInput> inputs, const TargetRequest& request,
                TargetResult& result) override;
+
+  // bf16 weights take the few-row kernels at any row count (cpu::matmul_forward), f32 ones up to kSmallRowsMax.
+  int row_invariant_rows() const override {
+    return model_.lm_head_bf16.empty() ? cpu::kSmallRowsMax : std::numeric_limits<int>::max();
+  }
 
   const Transformer& model() const { return model_; }
 

@@ -133,6 +133,7 @@ class CudaTarget final : public Target {
   int sequence_length(int sequence) const override { return state(sequence).length; }
   void truncate_sequence(int sequence, int length) override;
   void forward(std::span<const TargetInput> inputs, const TargetRequest& request, TargetResult& result) override;
+  int row_invariant_rows() const override { return cuda::kRowInvariantRows; }
   CudaTargetHead head() const { return {embed_tokens_.data(), lm_head_, stream_}; }
 
  private:

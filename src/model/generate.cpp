@@ -42,9 +42,9 @@ std::vector<GenerateResult> generate_batch(Target& target, std::span<const std::
   // Admission: every prompt token but the last enters the cache first, and
   // the request's first step carries the last one, as speculative decoding
   // admits (speculative.cpp). A prompt's rows then go through the same
-  // forwards in both modes, so that on the GPU, whose products and attention
-  // give a row the same bits at any row count up to 16, greedy speculative
-  // output is plain output bit for bit. At the start in one prefill forward;
+  // forwards in both modes, so that where a row's bits do not depend on the
+  // row count (Target::row_invariant_rows), greedy speculative output is
+  // plain output bit for bit. At the start in one prefill forward;
   // a request admitted later, when a place frees up (max_active), rides in
   // the next step with its prompt but the last token.
   auto admit = [&](bool at_start) {

@@ -74,6 +74,12 @@ class Target {
 
   virtual void forward(std::span<const TargetInput> inputs, const TargetRequest& request,
                        TargetResult& result) = 0;
+
+  // Up to this many rows in one forward, a row's results do not depend on how
+  // many rows share the forward (every kernel sums a row in one fixed order):
+  // a verify row then equals the same token decoded alone, and greedy
+  // speculative output is plain output bit for bit.
+  virtual int row_invariant_rows() const = 0;
 };
 
 // "cpu", "cuda", or "auto" (cuda when a GPU is present and the build has CUDA).

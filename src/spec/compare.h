@@ -29,7 +29,7 @@ namespace dspark {
 struct TimedDecoding {
   double seconds = 0.0;                       // prefill + decode, summed over passes
   double prefill_seconds = 0.0;               // the prompts' forwards, summed over passes
-  long steps = 0;                             // plain: forwards (prefill and decoding steps)
+  long steps = 0;                             // plain: decoding steps (the prefill not counted)
   long tokens = 0;                            // generated tokens (stopping EOS included)
   long matched = 0;                           // speculative: outputs identical to the reference
   SpeculativeStats stats;                     // speculative: rounds, drafts, acceptance

@@ -213,13 +213,11 @@ void launch_gemv(void* out, bool out_f32, const bf16* x, const bf16* weight, con
 // notice. Chunks of 64 put 128 contiguous bytes of a weight row in each warp
 // load (chunks of 32: 64 bytes, and the 8B decode step 12% slower in a graph;
 // 128: 45% slower). This is the target's kernel for every step of up to
-// kInvariantRows rows, so the chunk fixes the order of its sums: changing it
+// kRowInvariantRows rows, so the chunk fixes the order of its sums: changing it
 // changes bits.
 constexpr int kMmaWarps = 8;
 constexpr int kMmaChunk = 64;
 constexpr int kMmaMaxRows = 64;
-// The target's steps of up to this many rows run the tensor-core GEMV alone (matmul() below).
-constexpr int kInvariantRows = 16;
 
 __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                              uint32_t b0, uint32_t b1) {
@@ -549,7 +547,7 @@ namespace {
 // runs faster with (timed once per shape). The choice can differ between row
 // counts, and so can cuBLASLt's algorithm: a row's bits would then depend on
 // how many rows share its step (docs/PERF.md, "verify invariance"). So the
-// target's products of up to kInvariantRows rows (FewRowKernels::DecodeFamily)
+// target's products of up to kRowInvariantRows rows (FewRowKernels::DecodeFamily)
 // run the tensor-core GEMV alone, whose sums do not depend on the row count;
 // from there to 64 rows it competes with cuBLASLt (at 8B-size shapes
 // cuBLASLt is 20-40% faster there; a small model in L2 takes the GEMV).
@@ -594,7 +592,7 @@ void matmul(void* out, MatmulOutput out_type, Epilogue epilogue, const bf16* x, 
   // or not: the same bits), so that a verify row has the bits of the same row
   // decoded alone, and greedy speculative output is plain output bit for bit
   // through bf16 near-ties (FewRowKernels).
-  const bool row_invariant = kernels_allowed == FewRowKernels::DecodeFamily && rows <= kInvariantRows &&
+  const bool row_invariant = kernels_allowed == FewRowKernels::DecodeFamily && rows <= kRowInvariantRows &&
                              std::find(kernels.begin(), kernels.end(), GemvKernel::TensorCores) != kernels.end();
   if (row_invariant) kernels = {GemvKernel::TensorCores};
   if (epilogue != Epilogue::ResidualNorm || kernels.empty())

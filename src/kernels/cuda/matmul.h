@@ -29,6 +29,8 @@ enum class MatmulOutput { BF16, F32 };
 // Any (the drafter, which has no such pairing): whichever kernel times
 // fastest (the tensor-core GEMV wins most of its 7-row shapes).
 enum class FewRowKernels { DecodeFamily, Any };
+// The row count up to which DecodeFamily products run the tensor-core GEMV alone.
+constexpr int kRowInvariantRows = 16;
 
 void matmul_forward(void* out, MatmulOutput out_type, const __nv_bfloat16* x, const __nv_bfloat16* weight,
                     const __nv_bfloat16* bias, int rows, int in_features, int out_features, cudaStream_t stream,
