@@ -183,15 +183,20 @@ INSTANTIATE_TEST_SUITE_P(
                       GreedyCase{"qwen3", "oracle", 8, 0.0f, true}, GreedyCase{"qwen3", "random", 6, 0.0f, true, true},
                       GreedyCase{"llama", "oracle", 4, 0.0f, true, true}));
 
+// The continuous batching tests' target and prompts: the golden qwen3.
+class ContinuousBatching : public ::testing::Test {
+ protected:
+  const Transformer& model = golden("qwen3");
+  const std::vector<std::vector<int32_t>> prompts = test_prompts("qwen3");
+  CpuTarget target{model};
+};
+
 // A request's output does not depend on which others share its steps:
 // plain and speculative decoding, greedy and sampled, all requests at once
 // against at most one or two at a time (continuous batching).
-TEST(ContinuousBatching, EachRequestGetsItsOwnOutput) {
-  const Transformer& model = golden("qwen3");
-  const auto prompts = test_prompts("qwen3");
+TEST_F(ContinuousBatching, EachRequestGetsItsOwnOutput) {
   const Drafter drafter = random_drafter(model.config, "markov", 6, 23, 3.0f);
   DSparkSource source(drafter, target_head_of(model));
-  CpuTarget target(model);
   for (float temperature : {0.0f, 1.0f}) {
     GenerateOptions plain;
     plain.max_new_tokens = 12;
@@ -243,18 +248,15 @@ class RecordingTarget : public Target {
   Target& inner_;
 };
 
-TEST(ContinuousBatching, PlainAndSpeculativeDecodingTakeAPromptInTheSameForwards) {
+TEST_F(ContinuousBatching, PlainAndSpeculativeDecodingTakeAPromptInTheSameForwards) {
   // A prompt's tokens but the last enter the cache in one forward, whose
   // inputs are the same in plain and speculative decoding; the last prompt
   // token starts the request's input in the next forward. The GPU's kernels
   // give a row the same bits at any row count up to 16 per step, so this is
   // what keeps greedy speculative output equal to plain output bit for bit
   // there (tests/cuda: SpeculativeGreedyEqualsPlainOnTheGpu).
-  const Transformer& model = golden("qwen3");
-  const auto prompts = test_prompts("qwen3");
   const Drafter drafter = random_drafter(model.config, "markov", 4, 23, 3.0f);
   DSparkSource source(drafter, target_head_of(model));
-  CpuTarget cpu(model);
   for (int max_active : {0, 1, 2}) {
     GenerateOptions plain_options;
     plain_options.max_new_tokens = 6;
@@ -263,17 +265,17 @@ TEST(ContinuousBatching, PlainAndSpeculativeDecodingTakeAPromptInTheSameForwards
     speculative_options.max_new_tokens = 6;
     speculative_options.gamma = 4;
     speculative_options.max_active = max_active;
-    RecordingTarget plain(cpu), speculative(cpu);
+    RecordingTarget plain(target), speculative(target);
     generate_batch(plain, prompts, plain_options);
     speculative_generate(speculative, source, prompts, speculative_options);
     // The forward carrying each prompt but its last token, and the one after it.
-    auto admission = [&](const RecordingTarget& target, const std::vector<int32_t>& prompt) {
+    auto admission = [&](const RecordingTarget& recorded, const std::vector<int32_t>& prompt) {
       const std::vector<int32_t> head(prompt.begin(), prompt.end() - 1);
-      for (size_t f = 0; f + 1 < target.forwards.size(); ++f)
-        for (const auto& tokens : target.forwards[f])
+      for (size_t f = 0; f + 1 < recorded.forwards.size(); ++f)
+        for (const auto& tokens : recorded.forwards[f])
           if (tokens == head) return f;
       ADD_FAILURE() << "no forward carries the prompt but its last token";
-      return target.forwards.size();
+      return recorded.forwards.size();
     };
     for (size_t i = 0; i < prompts.size(); ++i) {
       if (prompts[i].size() < 2) continue;  // (nothing but the last token)
