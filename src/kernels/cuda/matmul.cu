@@ -212,11 +212,15 @@ void launch_gemv(void* out, bool out_f32, const bf16* x, const bf16* weight, con
 // 0-3 of a piece, and the next mma's are elements 4-7), which the sum does not
 // notice. Chunks of 64 put 128 contiguous bytes of a weight row in each warp
 // load (chunks of 32: 64 bytes, and the 8B decode step 12% slower in a graph;
-// 128: 45% slower). This is the target's kernel for every step of up to
+// 128: 45% slower). The loop is unrolled kMmaStepsInFlight chunks deep, so a
+// warp has that many chunks' loads in flight (4: the 8B step 1-4% and the
+// 1.7B step 5% faster than 2; unrolling keeps each sum's order, and so its
+// bits). This is the target's kernel for every step of up to
 // kRowInvariantRows rows, so the chunk fixes the order of its sums: changing it
 // changes bits.
 constexpr int kMmaWarps = 8;
 constexpr int kMmaChunk = 64;
+constexpr int kMmaStepsInFlight = 4;
 constexpr int kMmaMaxRows = 64;
 
 __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -248,7 +252,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   float sums[TILES][4] = {};
   const uint4 zero = make_uint4(0, 0, 0, 0);
   constexpr int kPieces = kMmaChunk / 32;  // 16-byte pieces per lane and row in a step
-#pragma unroll(4 / kPieces)
+#pragma unroll(kMmaStepsInFlight)
   for (int k = warp * kMmaChunk; k < in; k += kMmaWarps * kMmaChunk) {
     // Lane (g, c) owns elements k + c * kMmaChunk / 4 .. + kMmaChunk / 4 of
     // every row (all past `in`, or none: in is a multiple of 32; past it, zeros).
