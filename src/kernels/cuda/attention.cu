@@ -1,3 +1,5 @@
+#include <climits>
+
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_check.h"
@@ -20,8 +22,12 @@ __global__ void __launch_bounds__(kWarps * 32)
     attention_kernel(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_cache, AttentionBatch batch,
                      int heads, int kv_heads, int splits, int row_blocks, float* partial_out, float* partial_lse,
                      int total_rows) {
-  wait_for_previous_kernel();
-  start_next_kernel();
+  // Before the wait, this CTA reads what no kernel of this step writes: the
+  // step's metadata and block tables (copied in before its first kernel) and
+  // the cache rows of positions before the step's own tokens (written by
+  // earlier steps). So its first tile's old keys and values are on their way
+  // while the kernel before it (q/k norm, RoPE and the cache append) runs;
+  // after the wait only the queries and the step's own rows remain to load.
   constexpr int kPad = 2;  // row stride HEAD_DIM + 2 bf16: lanes reading their own key hit distinct banks
   constexpr int kDimsPerLane = HEAD_DIM >= 32 ? HEAD_DIM / 32 : 1;
   __shared__ __align__(16) bf16 keys[kBlockSize][HEAD_DIM + kPad];
@@ -33,7 +39,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int query_length = batch.query_length[sequence];
   const int rows = query_length * group;  // (query token, head in group) pairs of this kv head
   const int first_row = row_block * kAttentionRowsPerBlock;
-  if (first_row >= rows) return;
+  if (first_row >= rows) return;  // nothing to do, nothing to wait for
   const int length = batch.sequence_length[sequence];
   const int first_query_position = length - query_length;
   const int query_start = batch.query_start[sequence];
@@ -51,6 +57,33 @@ __global__ void __launch_bounds__(kWarps * 32)
   // One split: the whole range (a prefill chunk, whose many rows fill the GPU).
   const int tile_begin = splits == 1 ? 0 : split * kSplitTiles;
   const int tile_end = splits == 1 ? tiles : min(tiles, tile_begin + kSplitTiles);
+  // A tile (one cache block: kBlockSize consecutive slots) moves through
+  // registers: 16-byte loads, all issued before the first store into the
+  // padded shared rows. Vector i of the tile is row i / kVectorsPerRow.
+  constexpr int kVectorsPerRow = HEAD_DIM / 8;
+  constexpr int kTileVectors = kBlockSize * kVectorsPerRow;
+  constexpr int kVectorsPerThread = (kTileVectors + kWarps * 32 - 1) / (kWarps * 32);
+  uint4 key_vectors[kVectorsPerThread], value_vectors[kVectorsPerThread];
+  // Loads the tile's rows at positions in [from, to) (from its first slot, slot0).
+  auto load_tile = [&](long slot0, int tile, int from, int to) {
+#pragma unroll
+    for (int j = 0; j < kVectorsPerThread; ++j) {
+      const int i = threadIdx.x + j * kWarps * 32;
+      const int position = tile * kBlockSize + i / kVectorsPerRow;
+      if (i >= kTileVectors || position < from || position >= to) continue;
+      const long offset = ((slot0 + i / kVectorsPerRow) * kv_heads + kv_head) * HEAD_DIM + (i % kVectorsPerRow) * 8;
+      key_vectors[j] = *reinterpret_cast<const uint4*>(key_cache + offset);
+      value_vectors[j] = *reinterpret_cast<const uint4*>(value_cache + offset);
+    }
+  };
+  long first_slot = 0;
+  if (tile_begin < tile_end) {
+    first_slot = static_cast<long>(blocks[tile_begin]) * kBlockSize;
+    load_tile(first_slot, tile_begin, 0, first_query_position);
+  }
+  wait_for_previous_kernel();
+  start_next_kernel();
+  if (tile_begin < tile_end) load_tile(first_slot, tile_begin, first_query_position, INT_MAX);
 #pragma unroll
   for (int i = threadIdx.x; i < kAttentionRowsPerBlock * HEAD_DIM; i += kWarps * 32) {  // unrolled: loads overlap
     const int local = i / HEAD_DIM, row = first_row + local;
@@ -70,21 +103,9 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int d = 0; d < kDimsPerLane; ++d) accumulator[r][d] = 0.0f;
   }
   for (int tile = tile_begin; tile < tile_end; ++tile) {
-    __syncthreads();  // the previous tile is no longer read (and queries are written)
-    const long slot0 = static_cast<long>(blocks[tile]) * kBlockSize;
-    // 16-byte loads, all issued before the first store (the tile is one cache
-    // block: kBlockSize consecutive slots), then 4-byte stores into the padded rows.
-    constexpr int kVectorsPerRow = HEAD_DIM / 8;
-    constexpr int kTileVectors = kBlockSize * kVectorsPerRow;
-    constexpr int kVectorsPerThread = (kTileVectors + kWarps * 32 - 1) / (kWarps * 32);
-    uint4 key_vectors[kVectorsPerThread], value_vectors[kVectorsPerThread];
-#pragma unroll
-    for (int j = 0; j < kVectorsPerThread; ++j) {
-      const int i = threadIdx.x + j * kWarps * 32;
-      if (i >= kTileVectors) break;
-      const long offset = ((slot0 + i / kVectorsPerRow) * kv_heads + kv_head) * HEAD_DIM + (i % kVectorsPerRow) * 8;
-      key_vectors[j] = *reinterpret_cast<const uint4*>(key_cache + offset);
-      value_vectors[j] = *reinterpret_cast<const uint4*>(value_cache + offset);
+    if (tile != tile_begin) {
+      __syncthreads();  // the previous tile is no longer read
+      load_tile(static_cast<long>(blocks[tile]) * kBlockSize, tile, 0, INT_MAX);
     }
 #pragma unroll
     for (int j = 0; j < kVectorsPerThread; ++j) {
