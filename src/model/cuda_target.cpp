@@ -650,13 +650,22 @@ void CudaTarget::run_step(const StepShape& shape, std::span<const int> taps, boo
     cuda::matmul_forward(qkv_.data(), cuda::MatmulOutput::BF16, normed_.data(), w.qkv.data(), w.qkv_bias.data(), T,
                          H, qkv_width_, s);
     p.mark("qkv gemm", s);
-    cuda::qkv_rope_kv_append_forward(queries_.data(), qkv_.data(), w.q_norm.data(), w.k_norm.data(), positions,
-                                     rope_table_.data(), key_cache_[l].data(), value_cache_[l].data(), slots, T,
-                                     c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, s);
-    p.mark("qk norm+rope+append", s);
-    cuda::attention_forward(attention_.data(), queries_.data(), key_cache_[l].data(), value_cache_[l].data(), batch,
-                            T, c.num_heads, c.num_kv_heads, c.head_dim, shape.splits, partial_out_.data(),
-                            partial_lse_.data(), s);
+    // Decode and verify steps: the q/k norm, RoPE and the cache append inside
+    // the attention kernel (one launch and one round trip fewer per layer); a
+    // prefill chunk's many rows run them once, in their own kernel.
+    const cuda::AttentionRope rope{qkv_.data(),        w.q_norm.data(), w.k_norm.data(),      positions,
+                                   rope_table_.data(), slots,           key_cache_[l].data(), value_cache_[l].data(),
+                                   c.rms_norm_eps};
+    const bool rope_in_attention = shape.max_query_length <= kMaxGraphTokens;
+    if (!rope_in_attention) {
+      cuda::qkv_rope_kv_append_forward(queries_.data(), qkv_.data(), w.q_norm.data(), w.k_norm.data(), positions,
+                                       rope_table_.data(), key_cache_[l].data(), value_cache_[l].data(), slots, T,
+                                       c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, s);
+      p.mark("qk norm+rope+append", s);
+    }
+    cuda::attention_forward(attention_.data(), queries_.data(), key_cache_[l].data(), value_cache_[l].data(), batch, T,
+                            c.num_heads, c.num_kv_heads, c.head_dim, shape.splits, partial_out_.data(),
+                            partial_lse_.data(), s, rope_in_attention ? &rope : nullptr);
     p.mark("attention", s);
     // x += attention @ o_proj^T; normed = rms(x, post_attention_norm)
     const cuda::ResidualNorm attention_norm{.residual = x, .weight = w.post_attention_norm.data(),

@@ -381,6 +381,87 @@ TEST(CudaOps, PagedAttentionMatchesCpu) {
   }
 }
 
+// Decode and verify steps run the q/k norm, RoPE and the cache append inside
+// the attention kernel (AttentionRope): its outputs and the cache it leaves
+// must be those of the RoPE kernel followed by the attention, bit for bit,
+// for ragged sequences whose step rows span tiles and row blocks, with split
+// KV and without, with q/k norm and without.
+TEST(CudaOps, AttentionWithRopeInsideEqualsRopeThenAttention) {
+  const int heads = 8, kv_heads = 2, head_dim = 128, half = head_dim / 2, max_blocks = 8, pool_blocks = 24;
+  const int width = (heads + 2 * kv_heads) * head_dim, stride = kv_heads * head_dim;
+  const std::vector<int> lengths = {5, 70, 200}, query_lengths = {1, 16, 9};
+  std::vector<int32_t> table(3 * max_blocks, 0), table_rows = {2, 0, 1}, query_start, positions, slots;
+  int next_block = pool_blocks - 1, total_rows = 0;
+  for (int s = 0; s < 3; ++s) {
+    for (int b = 0; b * cuda::kBlockSize < lengths[s]; ++b) table[table_rows[s] * max_blocks + b] = next_block--;
+    query_start.push_back(total_rows);
+    total_rows += query_lengths[s];
+    for (int p = lengths[s] - query_lengths[s]; p < lengths[s]; ++p) {
+      positions.push_back(p);
+      slots.push_back(table[table_rows[s] * max_blocks + p / cuda::kBlockSize] * cuda::kBlockSize +
+                      p % cuda::kBlockSize);
+    }
+  }
+  // The cache holds every slot's old rows (the step's own are overwritten).
+  const auto pool_keys = bf16_rounded(random_values(pool_blocks * cuda::kBlockSize * stride, 60));
+  const auto pool_values = bf16_rounded(random_values(pool_keys.size(), 61));
+  const auto qkv = bf16_rounded(random_values(total_rows * width, 62, 2.0f));
+  const auto q_norm = random_values(head_dim, 63), k_norm = random_values(head_dim, 64);
+  std::vector<float2> table_values(256 * half);
+  for (int p = 0; p < 256; ++p)
+    for (int i = 0; i < half; ++i) {
+      const double angle = p / std::pow(10000.0, 2.0 * i / head_dim);
+      table_values[p * half + i] = make_float2(float(std::cos(angle)), float(std::sin(angle)));
+    }
+  auto qkv_device = to_device_bf16(qkv);
+  auto q_norm_device = to_device(q_norm), k_norm_device = to_device(k_norm);
+  auto rope_table = to_device(table_values);
+  auto positions_device = to_device(positions), slots_device = to_device(slots);
+  auto start_device = to_device(query_start);
+  auto query_length_device = to_device(std::vector<int32_t>(query_lengths.begin(), query_lengths.end()));
+  auto length_device = to_device(std::vector<int32_t>(lengths.begin(), lengths.end()));
+  auto table_row_device = to_device(table_rows), table_device = to_device(table);
+  const cuda::AttentionBatch batch{start_device.data(),
+                                   query_length_device.data(),
+                                   length_device.data(),
+                                   table_row_device.data(),
+                                   table_device.data(),
+                                   max_blocks,
+                                   3,
+                                   16};
+  const int fewest = (200 + cuda::kSplitTiles * cuda::kBlockSize - 1) / (cuda::kSplitTiles * cuda::kBlockSize);
+  for (bool with_norm : {true, false}) {
+    const float* q_norm_used = with_norm ? q_norm_device.data() : nullptr;
+    const float* k_norm_used = with_norm ? k_norm_device.data() : nullptr;
+    for (int splits : {1, fewest, 16}) {
+      DeviceBuffer<float> partial_out(splits * total_rows * heads * head_dim), partial_lse(splits * total_rows * heads);
+      // The RoPE kernel, then the attention.
+      auto keys_separate = to_device_bf16(pool_keys), values_separate = to_device_bf16(pool_values);
+      DeviceBuffer<bf16> queries(total_rows * heads * head_dim), out_separate(total_rows * heads * head_dim);
+      cuda::qkv_rope_kv_append_forward(queries.data(), qkv_device.data(), q_norm_used, k_norm_used,
+                                       positions_device.data(), rope_table.data(), keys_separate.data(),
+                                       values_separate.data(), slots_device.data(), total_rows, heads, kv_heads,
+                                       head_dim, 1e-6f, nullptr);
+      cuda::attention_forward(out_separate.data(), queries.data(), keys_separate.data(), values_separate.data(), batch,
+                              total_rows, heads, kv_heads, head_dim, splits, partial_out.data(), partial_lse.data(),
+                              nullptr);
+      // Both inside the attention.
+      auto keys_fused = to_device_bf16(pool_keys), values_fused = to_device_bf16(pool_values);
+      DeviceBuffer<bf16> out_fused(total_rows * heads * head_dim);
+      const cuda::AttentionRope rope{qkv_device.data(),       q_norm_used,         k_norm_used,
+                                     positions_device.data(), rope_table.data(),   slots_device.data(),
+                                     keys_fused.data(),       values_fused.data(), 1e-6f};
+      cuda::attention_forward(out_fused.data(), nullptr, keys_fused.data(), values_fused.data(), batch, total_rows,
+                              heads, kv_heads, head_dim, splits, partial_out.data(), partial_lse.data(), nullptr,
+                              &rope);
+      const std::string where = "splits " + std::to_string(splits) + (with_norm ? ", q/k norm" : ", no norm");
+      EXPECT_EQ(from_device(out_fused), from_device(out_separate)) << where;
+      EXPECT_EQ(from_device(keys_fused), from_device(keys_separate)) << where;
+      EXPECT_EQ(from_device(values_fused), from_device(values_separate)) << where;
+    }
+  }
+}
+
 TEST(CudaOps, TokenSelectionMatchesCpuSampling) {
   const int vocab = 1000, rows = 64;
   const auto logits = random_values(rows * vocab, 50, 4.0f);

@@ -3,6 +3,7 @@
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/rope.cuh"
 
 namespace dspark::cuda {
 namespace {
@@ -17,17 +18,20 @@ constexpr int kRowsPerWarp = kAttentionRowsPerBlock / kWarps;
 // block) through shared memory; each warp keeps an online softmax for
 // kRowsPerWarp query rows, lane j scoring key j of the tile and owning
 // head_dim/32 output dims.
-template <int HEAD_DIM>
+// ROPE: the step's queries, keys and values come from the QKV GEMM's output
+// (AttentionRope), normed and rotated here, instead of from q and the cache.
+template <int HEAD_DIM, bool ROPE>
 __global__ void __launch_bounds__(kWarps * 32)
     attention_kernel(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_cache, AttentionBatch batch,
                      int heads, int kv_heads, int splits, int row_blocks, float* partial_out, float* partial_lse,
-                     int total_rows) {
+                     int total_rows, AttentionRope rope) {
   // Before the wait, this CTA reads what no kernel of this step writes: the
   // step's metadata and block tables (copied in before its first kernel) and
   // the cache rows of positions before the step's own tokens (written by
   // earlier steps). So its first tile's old keys and values are on their way
-  // while the kernel before it (q/k norm, RoPE and the cache append) runs;
-  // after the wait only the queries and the step's own rows remain to load.
+  // while the kernel before it runs; after the wait only the queries and the
+  // step's own rows remain (loaded, or with ROPE computed from the QKV GEMM's
+  // output).
   constexpr int kPad = 2;  // row stride HEAD_DIM + 2 bf16: lanes reading their own key hit distinct banks
   constexpr int kDimsPerLane = HEAD_DIM >= 32 ? HEAD_DIM / 32 : 1;
   __shared__ __align__(16) bf16 keys[kBlockSize][HEAD_DIM + kPad];
@@ -83,16 +87,33 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
   wait_for_previous_kernel();
   start_next_kernel();
-  if (tile_begin < tile_end) load_tile(first_slot, tile_begin, first_query_position, INT_MAX);
-#pragma unroll
-  for (int i = threadIdx.x; i < kAttentionRowsPerBlock * HEAD_DIM; i += kWarps * 32) {  // unrolled: loads overlap
-    const int local = i / HEAD_DIM, row = first_row + local;
-    float value = 0.0f;
-    if (row < rows) {
+  // With ROPE the step's own rows [first_query_position, length) are computed
+  // below, not loaded; rows past the end are stale, and masked.
+  if (tile_begin < tile_end) load_tile(first_slot, tile_begin, ROPE ? length : first_query_position, INT_MAX);
+  const long qkv_width = static_cast<long>(heads + 2 * kv_heads) * HEAD_DIM;
+  if constexpr (ROPE) {
+    for (int local = warp; local < kAttentionRowsPerBlock; local += kWarps) {  // a warp per query row
+      const int row = first_row + local;
+      if (row >= rows) continue;  // never read
       const int token = row / group, head = kv_head * group + row % group;
-      value = __bfloat162float(q[(static_cast<long>(query_start + token) * heads + head) * HEAD_DIM + i % HEAD_DIM]);
+      const long qkv_row = query_start + token;
+      const RopeLane constants = load_rope_lane(
+          rope.q_norm, rope.rope_table + static_cast<long>(rope.positions[qkv_row]) * (HEAD_DIM / 2), HEAD_DIM, lane);
+      norm_rope_row(rope.qkv + qkv_row * qkv_width + static_cast<long>(head) * HEAD_DIM, constants,
+                    rope.q_norm != nullptr, HEAD_DIM, rope.eps, lane,
+                    [&](int i, bf16 value) { queries[local][i] = __bfloat162float(value); });
     }
-    queries[local][i % HEAD_DIM] = value;
+  } else {
+#pragma unroll
+    for (int i = threadIdx.x; i < kAttentionRowsPerBlock * HEAD_DIM; i += kWarps * 32) {  // unrolled: loads overlap
+      const int local = i / HEAD_DIM, row = first_row + local;
+      float value = 0.0f;
+      if (row < rows) {
+        const int token = row / group, head = kv_head * group + row % group;
+        value = __bfloat162float(q[(static_cast<long>(query_start + token) * heads + head) * HEAD_DIM + i % HEAD_DIM]);
+      }
+      queries[local][i % HEAD_DIM] = value;
+    }
   }
   float running_max[kRowsPerWarp], running_sum[kRowsPerWarp], accumulator[kRowsPerWarp][kDimsPerLane];
 #pragma unroll
@@ -105,18 +126,50 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int tile = tile_begin; tile < tile_end; ++tile) {
     if (tile != tile_begin) {
       __syncthreads();  // the previous tile is no longer read
-      load_tile(static_cast<long>(blocks[tile]) * kBlockSize, tile, 0, INT_MAX);
+      const long slot0 = static_cast<long>(blocks[tile]) * kBlockSize;
+      load_tile(slot0, tile, 0, ROPE ? first_query_position : INT_MAX);
+      if (ROPE) load_tile(slot0, tile, length, INT_MAX);
     }
+    const int tile_first = tile * kBlockSize;
 #pragma unroll
     for (int j = 0; j < kVectorsPerThread; ++j) {
       const int i = threadIdx.x + j * kWarps * 32;
       if (i >= kTileVectors) break;
+      const int position = tile_first + i / kVectorsPerRow;
+      if (ROPE && position >= first_query_position && position < length) continue;  // computed below
       uint32_t* key_words = reinterpret_cast<uint32_t*>(&keys[i / kVectorsPerRow][(i % kVectorsPerRow) * 8]);
       uint32_t* value_words = reinterpret_cast<uint32_t*>(&values[i / kVectorsPerRow][(i % kVectorsPerRow) * 8]);
       key_words[0] = key_vectors[j].x, key_words[1] = key_vectors[j].y;
       key_words[2] = key_vectors[j].z, key_words[3] = key_vectors[j].w;
       value_words[0] = value_vectors[j].x, value_words[1] = value_vectors[j].y;
       value_words[2] = value_vectors[j].z, value_words[3] = value_vectors[j].w;
+    }
+    if constexpr (ROPE) {
+      // The step's rows in this tile, a warp per position: the key normed and
+      // rotated, the value as it is. The CTA of the row block that holds the
+      // token's first query row appends them to the cache (it reads their tile).
+      const int own_begin = max(tile_first, first_query_position), own_end = min(tile_first + kBlockSize, length);
+      for (int position = own_begin + warp; position < own_end; position += kWarps) {
+        const int token = position - first_query_position;
+        const long qkv_row = query_start + token;
+        const bf16* key_in = rope.qkv + qkv_row * qkv_width + static_cast<long>(heads + kv_head) * HEAD_DIM;
+        const bf16* value_in = key_in + static_cast<long>(kv_heads) * HEAD_DIM;
+        const bool appends = row_block == token * group / kAttentionRowsPerBlock;
+        const long cache_row = (static_cast<long>(rope.slots[qkv_row]) * kv_heads + kv_head) * HEAD_DIM;
+        bf16* key_row = keys[position - tile_first];
+        bf16* value_row = values[position - tile_first];
+        const RopeLane constants = load_rope_lane(
+            rope.k_norm, rope.rope_table + static_cast<long>(rope.positions[qkv_row]) * (HEAD_DIM / 2), HEAD_DIM, lane);
+        norm_rope_row(key_in, constants, rope.k_norm != nullptr, HEAD_DIM, rope.eps, lane, [&](int i, bf16 value) {
+          key_row[i] = value;
+          if (appends) rope.key_cache[cache_row + i] = value;
+        });
+        for (int i = lane; i < HEAD_DIM; i += 32) {
+          const bf16 value = value_in[i];
+          value_row[i] = value;
+          if (appends) rope.value_cache[cache_row + i] = value;
+        }
+      }
     }
     __syncthreads();
     const int key_position = tile * kBlockSize + lane;
@@ -204,12 +257,13 @@ __global__ void merge_splits_kernel(bf16* out, const float* partial_out, const f
 template <int HEAD_DIM>
 void launch(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_cache, const AttentionBatch& batch,
             int total_rows, int heads, int kv_heads, int splits, float* partial_out, float* partial_lse,
-            cudaStream_t stream) {
+            cudaStream_t stream, const AttentionRope* rope) {
   const int row_blocks =
       ceil_div(static_cast<long>(batch.max_query_length) * (heads / kv_heads), kAttentionRowsPerBlock);
   const dim3 grid(splits, kv_heads, batch.sequences * row_blocks);
-  launch_dependent(attention_kernel<HEAD_DIM>, grid, kWarps * 32, 0, stream, out, q, key_cache, value_cache, batch,
-                   heads, kv_heads, splits, row_blocks, partial_out, partial_lse, total_rows);
+  launch_dependent(rope ? attention_kernel<HEAD_DIM, true> : attention_kernel<HEAD_DIM, false>, grid, kWarps * 32, 0,
+                   stream, out, q, key_cache, value_cache, batch, heads, kv_heads, splits, row_blocks, partial_out,
+                   partial_lse, total_rows, rope ? *rope : AttentionRope{});
   CUDA_CHECK_LAUNCH();
 }
 
@@ -459,7 +513,7 @@ void bidirectional_attention_forward(bf16* out, const bf16* q, const bf16* block
 
 void attention_forward(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_cache,
                        const AttentionBatch& batch, int total_rows, int heads, int kv_heads, int head_dim, int splits,
-                       float* partial_out, float* partial_lse, cudaStream_t stream) {
+                       float* partial_out, float* partial_lse, cudaStream_t stream, const AttentionRope* rope) {
   auto launch_for_head_dim = head_dim == 16    ? launch<16>
                              : head_dim == 32  ? launch<32>
                              : head_dim == 64  ? launch<64>
@@ -467,7 +521,7 @@ void attention_forward(bf16* out, const bf16* q, const bf16* key_cache, const bf
                                                : nullptr;
   if (!launch_for_head_dim) fail("attention: head_dim ", head_dim, " is not supported (16, 32, 64, 128)");
   launch_for_head_dim(out, q, key_cache, value_cache, batch, total_rows, heads, kv_heads, splits, partial_out,
-                      partial_lse, stream);
+                      partial_lse, stream, rope);
   if (splits > 1) {
     const long row_heads = static_cast<long>(total_rows) * heads;
     launch_dependent(merge_splits_kernel, dim3(row_heads), dim3(min(head_dim, 256)), 0, stream, out, partial_out,

@@ -33,13 +33,33 @@ struct AttentionBatch {
   int max_query_length;            // bound on query_length (sizes the grid)
 };
 
+// The step before the attention, done inside it (decode and verify steps):
+// q / k RMSNorm and RoPE from the QKV GEMM's output, and the append of the
+// step's keys and values to the cache, with the code and bits of
+// qkv_rope_kv_append_forward (rope.h), whose arguments these are. Each CTA
+// computes the step's rows it reads itself; one CTA per (kv head, token)
+// writes them to the cache.
+struct AttentionRope {
+  const __nv_bfloat16* qkv;  // [T, (nh + 2 nkv) * hd]
+  const float* q_norm;       // [hd] or null
+  const float* k_norm;       // [hd] or null
+  const int32_t* positions;  // [T]
+  const float2* rope_table;  // [positions, hd/2] (cos, sin)
+  const int32_t* slots;      // [T] the cache slot of each row
+  __nv_bfloat16* key_cache;  // the same caches as attention_forward's, written here
+  __nv_bfloat16* value_cache;
+  float eps;
+};
+
 // head_dim in {16, 32, 64, 128}. splits = 1 (one CTA per row block covers
 // every position), or splits >= ceil(longest sequence / (kSplitTiles *
 // kBlockSize)); the partial buffers are only used when splits > 1.
+// rope: null (q holds the step's queries and the cache its keys and values
+// already), or the step before, fused in (q is then unused).
 void attention_forward(__nv_bfloat16* out, const __nv_bfloat16* q, const __nv_bfloat16* key_cache,
-                       const __nv_bfloat16* value_cache, const AttentionBatch& batch, int total_rows,
-                       int heads, int kv_heads, int head_dim, int splits, float* partial_out,
-                       float* partial_lse, cudaStream_t stream);
+                       const __nv_bfloat16* value_cache, const AttentionBatch& batch, int total_rows, int heads,
+                       int kv_heads, int head_dim, int splits, float* partial_out, float* partial_lse,
+                       cudaStream_t stream, const AttentionRope* rope = nullptr);
 
 // Query rows one CTA handles (per kv head); sizes the grid.
 constexpr int kAttentionRowsPerBlock = 16;

@@ -1,6 +1,8 @@
 // The step between the QKV GEMM and attention, fused: per-head q/k RMSNorm
 // (Qwen3), rotary embedding (HF rotate_half layout, as kernels/cpu/rope.h),
-// and the append of k and v to the paged KV cache.
+// and the append of k and v to the paged KV cache. Prefill chunks run this
+// kernel; decode and verify steps do the same inside the attention kernel
+// (AttentionRope, attention.h), with the same device code (rope.cuh).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
