@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <functional>
 #include <iostream>
+#include <string>
 
 #include "cli/commands.h"
 #include "core/error.h"
@@ -264,13 +265,14 @@ void run_demo(const DemoFlags& flags) {
   if (greedy && !identical) {
     const long at = first_difference(plain.outputs[0], speculative.outputs[0]);
     const int exact = target->row_invariant_rows();
-    if (gamma + 1 > exact)
-      fail("speculative decoding did not reproduce plain greedy decoding (first difference at generated token ", at,
-           "): on ", target->device_description(), " verify steps of more than ", exact,
-           " tokens may round a near-tie differently from a decode step; gamma ", exact - 1,
-           " or less gives identical text");
+    const std::string reason = gamma + 1 > exact
+                                   ? "on " + target->device_description() + " verify steps of more than " +
+                                         std::to_string(exact) +
+                                         " tokens may round a near-tie differently from a decode step; gamma " +
+                                         std::to_string(exact - 1) + " or less gives identical text"
+                                   : "a bug, please report it";
     fail("speculative decoding did not reproduce plain greedy decoding (first difference at generated token ", at,
-         "): a bug, please report it");
+         "): ", reason);
   }
 }
 

@@ -141,6 +141,8 @@ class CudaTarget final : public Target {
   struct StepShape {
     int tokens = 0, sequences = 0, logit_rows = 0, max_query_length = 0, splits = 1;
     bool padded = false;    // sequences padded to the longest: logit rows listed real ones first
+    // A decode or verify step (few query tokens per sequence): split-KV attention with the RoPE inside.
+    bool few_tokens() const { return max_query_length <= kMaxGraphTokens; }
     std::vector<int> taps;  // hidden states copied out (a verify step for a DSpark drafter)
     bool operator<(const StepShape& other) const {
       return std::tie(tokens, sequences, logit_rows, max_query_length, splits, padded, taps) <
@@ -503,7 +505,7 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
   // Split-KV for steps of few query tokens per sequence (decode, verify: the
   // same splits for both, so they agree to the bit); a prefill chunk's many
   // query rows fill the GPU without it and would need [splits, T] partials.
-  shape.splits = Q <= kMaxGraphTokens ? attention_splits(longest_sequence) : 1;
+  shape.splits = shape.few_tokens() ? attention_splits(longest_sequence) : 1;
   ensure_split_capacity(shape.splits, shape.tokens);
 
   // Pack the metadata.
@@ -656,7 +658,7 @@ void CudaTarget::run_step(const StepShape& shape, std::span<const int> taps, boo
     const cuda::AttentionRope rope{qkv_.data(),        w.q_norm.data(), w.k_norm.data(),      positions,
                                    rope_table_.data(), slots,           key_cache_[l].data(), value_cache_[l].data(),
                                    c.rms_norm_eps};
-    const bool rope_in_attention = shape.max_query_length <= kMaxGraphTokens;
+    const bool rope_in_attention = shape.few_tokens();
     if (!rope_in_attention) {
       cuda::qkv_rope_kv_append_forward(queries_.data(), qkv_.data(), w.q_norm.data(), w.k_norm.data(), positions,
                                        rope_table_.data(), key_cache_[l].data(), value_cache_[l].data(), slots, T,

@@ -97,8 +97,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       if (row >= rows) continue;  // never read
       const int token = row / group, head = kv_head * group + row % group;
       const long qkv_row = query_start + token;
-      const RopeLane constants = load_rope_lane(
-          rope.q_norm, rope.rope_table + static_cast<long>(rope.positions[qkv_row]) * (HEAD_DIM / 2), HEAD_DIM, lane);
+      const RopeLane constants = load_rope_lane(rope.q_norm, rope.rope_table, rope.positions[qkv_row], HEAD_DIM, lane);
       norm_rope_row(rope.qkv + qkv_row * qkv_width + static_cast<long>(head) * HEAD_DIM, constants,
                     rope.q_norm != nullptr, HEAD_DIM, rope.eps, lane,
                     [&](int i, bf16 value) { queries[local][i] = __bfloat162float(value); });
@@ -158,8 +157,8 @@ __global__ void __launch_bounds__(kWarps * 32)
         const long cache_row = (static_cast<long>(rope.slots[qkv_row]) * kv_heads + kv_head) * HEAD_DIM;
         bf16* key_row = keys[position - tile_first];
         bf16* value_row = values[position - tile_first];
-        const RopeLane constants = load_rope_lane(
-            rope.k_norm, rope.rope_table + static_cast<long>(rope.positions[qkv_row]) * (HEAD_DIM / 2), HEAD_DIM, lane);
+        const RopeLane constants =
+            load_rope_lane(rope.k_norm, rope.rope_table, rope.positions[qkv_row], HEAD_DIM, lane);
         norm_rope_row(key_in, constants, rope.k_norm != nullptr, HEAD_DIM, rope.eps, lane, [&](int i, bf16 value) {
           key_row[i] = value;
           if (appends) rope.key_cache[cache_row + i] = value;

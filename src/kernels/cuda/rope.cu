@@ -33,8 +33,7 @@ __global__ void qkv_rope_kv_append_kernel(bf16* q_out, const bf16* qkv, const fl
   }
   const bool is_query = head < heads;
   const float* norm = is_query ? q_norm : k_norm;
-  const RopeLane constants =
-      load_rope_lane(norm, rope_table + static_cast<long>(positions[row]) * (head_dim / 2), head_dim, lane);
+  const RopeLane constants = load_rope_lane(norm, rope_table, positions[row], head_dim, lane);
   wait_for_previous_kernel();
   start_next_kernel();
   bf16* destination = is_query ? q_out + (row * heads + head) * head_dim

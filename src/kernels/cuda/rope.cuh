@@ -18,9 +18,11 @@ struct RopeLane {
   float first_weight[kRopeMaxPairsPerLane], second_weight[kRopeMaxPairsPerLane];
 };
 
-// angles: the rotary table row [hd/2] of the row's position; norm [hd] or null.
-__device__ __forceinline__ RopeLane load_rope_lane(const float* norm, const float2* angles, int head_dim, int lane) {
+// rope_table [positions, hd/2] (cos, sin); norm [hd] or null.
+__device__ __forceinline__ RopeLane load_rope_lane(const float* norm, const float2* rope_table, int position,
+                                                   int head_dim, int lane) {
   const int half = head_dim / 2;
+  const float2* angles = rope_table + static_cast<long>(position) * half;
   RopeLane constants;
 #pragma unroll
   for (int j = 0; j < kRopeMaxPairsPerLane; ++j) {
