@@ -221,6 +221,21 @@ void launch_gemv(void* out, bool out_f32, const bf16* x, const bf16* weight, con
 constexpr int kMmaWarps = 8;
 constexpr int kMmaChunk = 64;
 constexpr int kMmaStepsInFlight = 4;
+// Per count of 8-row activation tiles: the chunks a warp loads before the
+// dependency wait, and the blocks per SM ptxas is told to fit
+// (__launch_bounds__). Both measured together (PERF.md, stop 22): without a
+// minimum ptxas allocates fewer registers and the 1-row decode step gained
+// 1% instead of 3%; early loads at 4 tiles and more, or more than one at 2,
+// made the verify step slower.
+template <int TILES>
+constexpr int kMmaEarlySteps = TILES == 1   ? 4
+                               : TILES == 2 ? 1
+                                            : 0;
+template <int TILES>
+constexpr int kMmaMinBlocks = TILES == 1   ? 1
+                              : TILES == 2 ? 3
+                              : TILES == 4 ? 3
+                                           : 2;
 constexpr int kMmaMaxRows = 64;
 
 __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -233,11 +248,9 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], uint32_t a0, uint32_
 }
 
 template <int TILES, Epilogue EPILOGUE>
-__global__ void __launch_bounds__(kMmaWarps * 32)
+__global__ void __launch_bounds__(kMmaWarps * 32, kMmaMinBlocks<TILES>)
     tensor_gemv_kernel(void* out, bool out_f32, const bf16* x, const bf16* weight, const bf16* bias, int rows, int in,
                        int out_features, ResidualNorm norm, int residual_norm_vectors) {
-  wait_for_previous_kernel();
-  start_next_kernel();
   constexpr bool kGated = EPILOGUE == Epilogue::Silu || EPILOGUE == Epilogue::GeluTanh;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   // Fragment rows g and g + 8: output features (gated: feature g's gate and up rows).
@@ -252,18 +265,21 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   float sums[TILES][4] = {};
   const uint4 zero = make_uint4(0, 0, 0, 0);
   constexpr int kPieces = kMmaChunk / 32;  // 16-byte pieces per lane and row in a step
-#pragma unroll(kMmaStepsInFlight)
-  for (int k = warp * kMmaChunk; k < in; k += kMmaWarps * kMmaChunk) {
-    // Lane (g, c) owns elements k + c * kMmaChunk / 4 .. + kMmaChunk / 4 of
-    // every row (all past `in`, or none: in is a multiple of 32; past it, zeros).
+  constexpr int kStride = kMmaWarps * kMmaChunk;
+  // The chunk at k: lane (g, c) owns elements k + c * kMmaChunk / 4 .. + kMmaChunk / 4
+  // of every row (all past `in`, or none: in is a multiple of 32; past it, zeros).
+  auto load_weights = [&](int k, uint4(&a_low)[kPieces], uint4(&a_high)[kPieces]) {
     const int own = k + c * (kMmaChunk / 4);
     const bool inside = own < in;
-    uint4 a_low[kPieces], a_high[kPieces];
 #pragma unroll
     for (int piece = 0; piece < kPieces; ++piece) {
       a_low[piece] = low_valid && inside ? __ldcs(reinterpret_cast<const uint4*>(low_row + own + 8 * piece)) : zero;
       a_high[piece] = high_valid && inside ? __ldcs(reinterpret_cast<const uint4*>(high_row + own + 8 * piece)) : zero;
     }
+  };
+  auto multiply = [&](int k, const uint4(&a_low)[kPieces], const uint4(&a_high)[kPieces]) {
+    const int own = k + c * (kMmaChunk / 4);
+    const bool inside = own < in;
 #pragma unroll
     for (int t = 0; t < TILES; ++t) {
 #pragma unroll
@@ -274,6 +290,34 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
         mma_m16n8k16(sums[t], a_low[piece].z, a_high[piece].z, a_low[piece].w, a_high[piece].w, b.z, b.w);
       }
     }
+  };
+  // The weights are never written, so a warp's first chunks are loaded
+  // before the wait: under programmatic launch they stream in while the
+  // previous kernel finishes (its last blocks, its norm tail, a layer's
+  // attention), which otherwise leaves HBM idle. The same sums in the same
+  // order: the same bits.
+  int k = warp * kMmaChunk;
+  constexpr int kEarlySteps = kMmaEarlySteps<TILES>;
+  if constexpr (kEarlySteps > 0) {
+    uint4 early_low[kEarlySteps][kPieces], early_high[kEarlySteps][kPieces];
+#pragma unroll
+    for (int step = 0; step < kEarlySteps; ++step)
+      if (k + step * kStride < in) load_weights(k + step * kStride, early_low[step], early_high[step]);
+    wait_for_previous_kernel();
+    start_next_kernel();
+#pragma unroll
+    for (int step = 0; step < kEarlySteps; ++step)
+      if (k + step * kStride < in) multiply(k + step * kStride, early_low[step], early_high[step]);
+    k += kEarlySteps * kStride;
+  } else {
+    wait_for_previous_kernel();
+    start_next_kernel();
+  }
+#pragma unroll(kMmaStepsInFlight)
+  for (; k < in; k += kStride) {
+    uint4 a_low[kPieces], a_high[kPieces];
+    load_weights(k, a_low, a_high);
+    multiply(k, a_low, a_high);
   }
   __shared__ float partial[kMmaWarps][TILES][4][32];
 #pragma unroll
