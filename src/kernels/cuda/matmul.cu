@@ -296,25 +296,19 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kMmaMinBlocks<TILES>)
   // previous kernel finishes (its last blocks, its norm tail, a layer's
   // attention), which otherwise leaves HBM idle. The same sums in the same
   // order: the same bits.
-  int k = warp * kMmaChunk;
   constexpr int kEarlySteps = kMmaEarlySteps<TILES>;
-  if constexpr (kEarlySteps > 0) {
-    uint4 early_low[kEarlySteps][kPieces], early_high[kEarlySteps][kPieces];
+  const int first_k = warp * kMmaChunk;
+  uint4 early_low[kEarlySteps + 1][kPieces], early_high[kEarlySteps + 1][kPieces];  // (+1: no empty arrays)
 #pragma unroll
-    for (int step = 0; step < kEarlySteps; ++step)
-      if (k + step * kStride < in) load_weights(k + step * kStride, early_low[step], early_high[step]);
-    wait_for_previous_kernel();
-    start_next_kernel();
+  for (int step = 0; step < kEarlySteps; ++step)
+    if (first_k + step * kStride < in) load_weights(first_k + step * kStride, early_low[step], early_high[step]);
+  wait_for_previous_kernel();
+  start_next_kernel();
 #pragma unroll
-    for (int step = 0; step < kEarlySteps; ++step)
-      if (k + step * kStride < in) multiply(k + step * kStride, early_low[step], early_high[step]);
-    k += kEarlySteps * kStride;
-  } else {
-    wait_for_previous_kernel();
-    start_next_kernel();
-  }
+  for (int step = 0; step < kEarlySteps; ++step)
+    if (first_k + step * kStride < in) multiply(first_k + step * kStride, early_low[step], early_high[step]);
 #pragma unroll(kMmaStepsInFlight)
-  for (; k < in; k += kStride) {
+  for (int k = first_k + kEarlySteps * kStride; k < in; k += kStride) {
     uint4 a_low[kPieces], a_high[kPieces];
     load_weights(k, a_low, a_high);
     multiply(k, a_low, a_high);
