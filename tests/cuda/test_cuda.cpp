@@ -207,11 +207,16 @@ TEST(CudaOps, GemvKernelsMatchCpuAndTheirFusedEpiloguesEqualTheUnfusedKernels) {
   // (the target's decode and verify steps rely on it); a fused epilogue gives
   // exactly the bits of the kernel's plain product followed by the activation
   // or norm kernel. in = 288: a multiple of 32 but not of the tensor cores'
-  // chunk of 64.
+  // chunk of 64. 48 features per SM: products of 1.5 to 3 waves of two
+  // blocks per SM, which the tensor cores run three per SM from 1 to 8 rows
+  // (FEW_WAVES), so those rows are also held to the 9-64-row products' rows.
   using cuda::GemvKernel;
   const int in = 288;
+  int device = 0, multiprocessors = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
   for (int rows : {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64}) {
-    for (int out_features : {1004, 24}) {
+    for (int out_features : {1004, 24, 48 * multiprocessors}) {
       const auto x = bf16_rounded(random_values(rows * in, 110 + rows, 2.0f));
       const auto weight = bf16_rounded(random_values(2 * out_features * in, 111));
       const auto bias = bf16_rounded(random_values(2 * out_features, 112));

@@ -236,6 +236,15 @@ constexpr int kMmaMinBlocks = TILES == 1   ? 1
                               : TILES == 2 ? 3
                               : TILES == 4 ? 3
                                            : 2;
+// FEW_WAVES, one row tile: the kernel above fits two blocks per SM (110
+// registers), so a product of more than one and up to kMmaFewWavesMost
+// waves of them (the 8B q|k|v: 384 blocks on 132 SMs, 1.45 waves; the 1.7B
+// gate|up: 2.9) runs three per SM instead, in fewer, fuller waves; its 80
+// registers hold two early chunks (four spill). 8B decode 1.6-1.7% faster,
+// 1.7B 1.5%; the 8B gate|up (5.8 waves) was slower so (PERF.md, stop 23).
+constexpr int kMmaFewWavesMost = 6;
+constexpr int kMmaFewWavesMinBlocks = 3;
+constexpr int kMmaFewWavesEarlySteps = 2;
 constexpr int kMmaMaxRows = 64;
 
 __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -247,8 +256,8 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], uint32_t a0, uint32_
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-template <int TILES, Epilogue EPILOGUE>
-__global__ void __launch_bounds__(kMmaWarps * 32, kMmaMinBlocks<TILES>)
+template <int TILES, Epilogue EPILOGUE, bool FEW_WAVES = false>
+__global__ void __launch_bounds__(kMmaWarps * 32, FEW_WAVES ? kMmaFewWavesMinBlocks : kMmaMinBlocks<TILES>)
     tensor_gemv_kernel(void* out, bool out_f32, const bf16* x, const bf16* weight, const bf16* bias, int rows, int in,
                        int out_features, ResidualNorm norm, int residual_norm_vectors) {
   constexpr bool kGated = EPILOGUE == Epilogue::Silu || EPILOGUE == Epilogue::GeluTanh;
@@ -296,7 +305,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kMmaMinBlocks<TILES>)
   // previous kernel finishes (its last blocks, its norm tail, a layer's
   // attention), which otherwise leaves HBM idle. The same sums in the same
   // order: the same bits.
-  constexpr int kEarlySteps = kMmaEarlySteps<TILES>;
+  constexpr int kEarlySteps = FEW_WAVES ? kMmaFewWavesEarlySteps : kMmaEarlySteps<TILES>;
   const int first_k = warp * kMmaChunk;
   uint4 early_low[kEarlySteps + 1][kPieces], early_high[kEarlySteps + 1][kPieces];  // (+1: no empty arrays)
 #pragma unroll
@@ -360,9 +369,11 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kMmaMinBlocks<TILES>)
     finish_residual_norm(norm, static_cast<const bf16*>(out), rows, out_features, residual_norm_vectors);
 }
 
+// few_waves: a product of one row tile and more than one wave may take the FEW_WAVES kernel.
 template <Epilogue EPILOGUE>
 void tensor_gemv_forward(void* out, MatmulOutput out_type, const bf16* x, const bf16* weight, const bf16* bias,
-                         int rows, int in, int out_features, const ResidualNorm& norm, cudaStream_t stream) {
+                         int rows, int in, int out_features, const ResidualNorm& norm, bool few_waves,
+                         cudaStream_t stream) {
   constexpr bool kGated = EPILOGUE == Epilogue::Silu || EPILOGUE == Epilogue::GeluTanh;
   const int vectors = EPILOGUE == Epilogue::ResidualNorm ? residual_norm_vectors(out_features, norm.tap_stride) : 0;
   const int blocks = ceil_div(out_features, kGated ? 8 : 16);
@@ -371,6 +382,14 @@ void tensor_gemv_forward(void* out, MatmulOutput out_type, const bf16* x, const 
                 : rows <= 16 ? tensor_gemv_kernel<2, EPILOGUE>
                 : rows <= 32 ? tensor_gemv_kernel<4, EPILOGUE>
                              : tensor_gemv_kernel<8, EPILOGUE>;
+  static const int multiprocessors = [] {
+    int device = 0, count = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+    return count;
+  }();
+  if (few_waves && rows <= 8 && blocks > 2 * multiprocessors && blocks <= kMmaFewWavesMost * multiprocessors)
+    kernel = tensor_gemv_kernel<1, EPILOGUE, true>;
   launch_dependent(kernel, blocks, kMmaWarps * 32, 0, stream, out, f32, x, weight, bias, rows, in, out_features, norm,
                    vectors);
   CUDA_CHECK_LAUNCH();
@@ -417,13 +436,15 @@ void gemv_forward(void* out, MatmulOutput out_type, const bf16* x, const bf16* w
   }
 }
 
-void gemv_path(void* out, MatmulOutput out_type, Epilogue epilogue, const bf16* x, const bf16* weight,
-               const bf16* bias, int rows, int in_features, int out_features, GemvKernel kernel,
-               const ResidualNorm& norm, cudaStream_t stream) {
+// few_waves: as tensor_gemv_forward's (the target's products: the drafter's were not measured with it).
+void gemv_path(void* out, MatmulOutput out_type, Epilogue epilogue, const bf16* x, const bf16* weight, const bf16* bias,
+               int rows, int in_features, int out_features, GemvKernel kernel, const ResidualNorm& norm, bool few_waves,
+               cudaStream_t stream) {
   const auto run = [&](auto kind) {
     constexpr Epilogue kEpilogue = decltype(kind)::value;
     if (kernel == GemvKernel::TensorCores)
-      tensor_gemv_forward<kEpilogue>(out, out_type, x, weight, bias, rows, in_features, out_features, norm, stream);
+      tensor_gemv_forward<kEpilogue>(out, out_type, x, weight, bias, rows, in_features, out_features, norm, few_waves,
+                                     stream);
     else
       gemv_forward<kEpilogue>(out, out_type, x, weight, bias, rows, in_features, out_features,
                               kernel == GemvKernel::FourFeaturesPerWarp ? 4 : 1, norm, stream);
@@ -599,6 +620,7 @@ void matmul(void* out, MatmulOutput out_type, Epilogue epilogue, const bf16* x, 
             FewRowKernels kernels_allowed) {
   const bool gated = epilogue == Epilogue::Silu || epilogue == Epilogue::GeluTanh;
   const int product_features = gated ? 2 * out_features : out_features;
+  const bool decode_family = kernels_allowed == FewRowKernels::DecodeFamily;
   MatmulContext& matmul = context();
   const Plan& plan = matmul.plan(rows, in_features, product_features, gated ? MatmulOutput::BF16 : out_type,
                                  bias != nullptr);
@@ -614,13 +636,13 @@ void matmul(void* out, MatmulOutput out_type, Epilogue epilogue, const bf16* x, 
   auto run = [&](const MatmulPath& path) {
     if (path.gemv != GemvKernel::None && (path.fused || epilogue == Epilogue::Store))
       return gemv_path(out, out_type, epilogue, x, weight, bias, rows, in_features, out_features, path.gemv, norm,
-                       stream);
+                       decode_family, stream);
     void* product = gated ? gate_up : out;
     if (path.gemv == GemvKernel::None)
       matmul.run(plan, product, x, weight, bias, stream);
     else
       gemv_path(product, gated ? MatmulOutput::BF16 : out_type, Epilogue::Store, x, weight, bias, rows, in_features,
-                product_features, path.gemv, norm, stream);
+                product_features, path.gemv, norm, decode_family, stream);
     epilogue_kernel();
   };
   // A shape's path is chosen on its first use; later calls (every eager step) only look it up.
@@ -853,7 +875,7 @@ void gemv_matmul_forward(void* out, MatmulOutput out_type, GemvEpilogue epilogue
   DSPARK_CHECK(epilogue == Epilogue::Store || out_type == MatmulOutput::BF16, "a fused GEMV epilogue writes bf16");
   DSPARK_CHECK(epilogue != Epilogue::ResidualNorm || residual_norm_vectors(out_features, norm.tap_stride) > 0,
                "the GEMV's norm takes rows of a multiple of 4 and at most 8192 features, not ", out_features);
-  gemv_path(out, out_type, epilogue, x, weight, bias, rows, in_features, out_features, kernel, norm, stream);
+  gemv_path(out, out_type, epilogue, x, weight, bias, rows, in_features, out_features, kernel, norm, true, stream);
 }
 
 // ---- training ----
