@@ -240,8 +240,8 @@ constexpr int kMmaMinBlocks = TILES == 1   ? 1
 // registers), so a product of more than one and up to kMmaFewWavesMost
 // waves of them (the 8B q|k|v: 384 blocks on 132 SMs, 1.45 waves; the 1.7B
 // gate|up: 2.9) runs three per SM instead, in fewer, fuller waves; its 80
-// registers hold two early chunks (four spill). 8B decode 1.6-1.7% faster,
-// 1.7B 1.5%; the 8B gate|up (5.8 waves) was slower so (PERF.md, stop 23).
+// registers hold two early chunks (four spill). 8B and 1.7B decode 1.5-2%
+// faster; the 8B gate|up (5.8 waves) was slower so (PERF.md, stop 23).
 constexpr int kMmaFewWavesMost = 6;
 constexpr int kMmaFewWavesMinBlocks = 3;
 constexpr int kMmaFewWavesEarlySteps = 2;
