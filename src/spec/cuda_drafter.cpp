@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "kernels/cuda/activation.h"
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/device.h"
 #include "kernels/cuda/embedding.h"
 #include "kernels/cuda/matmul.h"
 #include "kernels/cuda/rmsnorm.h"
@@ -101,9 +102,7 @@ CudaDrafter::CudaDrafter(const Drafter& drafter, const CudaTargetHead& head)
   inner_ = c.ff_mult * d;
   use_graphs_ = !(std::getenv("DSPARK_DRAFT_GRAPHS") && std::string(std::getenv("DSPARK_DRAFT_GRAPHS")) == "0") &&
                 !profiler_.enabled();
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors_, cudaDevAttrMultiProcessorCount, device));
+  multiprocessors_ = cuda::multiprocessor_count();
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 
   for (int l = 0; l < c.num_layers; ++l) {

@@ -23,6 +23,7 @@
 #include "kernels/cuda/activation.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/buffer.h"
+#include "kernels/cuda/device.h"
 #include "kernels/cuda/matmul.h"
 #include "kernels/cuda/rmsnorm.h"
 #include "kernels/cuda/rope.h"
@@ -212,9 +213,7 @@ TEST(CudaOps, GemvKernelsMatchCpuAndTheirFusedEpiloguesEqualTheUnfusedKernels) {
   // (FEW_WAVES), so those rows are also held to the 9-64-row products' rows.
   using cuda::GemvKernel;
   const int in = 288;
-  int device = 0, multiprocessors = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
+  const int multiprocessors = cuda::multiprocessor_count();
   for (int rows : {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64}) {
     for (int out_features : {1004, 24, 48 * multiprocessors}) {
       const auto x = bf16_rounded(random_values(rows * in, 110 + rows, 2.0f));

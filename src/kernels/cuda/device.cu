@@ -31,6 +31,13 @@ bool dependent_launches_enabled() {
   return enabled;
 }
 
+int multiprocessor_count() {
+  int device = 0, count = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  return count;
+}
+
 std::string device_description(int index) {
   cudaDeviceProp properties{};
   CUDA_CHECK(cudaGetDeviceProperties(&properties, index));

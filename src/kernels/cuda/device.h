@@ -12,6 +12,9 @@ int device_count();
 // "NVIDIA H200, 132 SMs, 139.8 GiB, cc 9.0" for device `index`.
 std::string device_description(int index);
 
+// Streaming multiprocessors of the current device.
+int multiprocessor_count();
+
 }  // namespace dspark::cuda
 
 namespace dspark::cuda {

@@ -17,6 +17,7 @@
 #include "kernels/cuda/buffer.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device.h"
 #include "kernels/cuda/matmul.h"
 #include "kernels/cuda/rmsnorm.cuh"
 #include "kernels/cuda/rmsnorm.h"
@@ -382,12 +383,7 @@ void tensor_gemv_forward(void* out, MatmulOutput out_type, const bf16* x, const 
                 : rows <= 16 ? tensor_gemv_kernel<2, EPILOGUE>
                 : rows <= 32 ? tensor_gemv_kernel<4, EPILOGUE>
                              : tensor_gemv_kernel<8, EPILOGUE>;
-  static const int multiprocessors = [] {
-    int device = 0, count = 0;
-    CUDA_CHECK(cudaGetDevice(&device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-    return count;
-  }();
+  static const int multiprocessors = multiprocessor_count();
   if (few_waves && rows <= 8 && blocks > 2 * multiprocessors && blocks <= kMmaFewWavesMost * multiprocessors)
     kernel = tensor_gemv_kernel<1, EPILOGUE, true>;
   launch_dependent(kernel, blocks, kMmaWarps * 32, 0, stream, out, f32, x, weight, bias, rows, in, out_features, norm,
