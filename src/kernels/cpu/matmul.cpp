@@ -22,7 +22,10 @@
 //     AVX-512 BF16 one vdpbf16ps applies a pair of inputs to 16 features
 //     (the "pairs" tile). Each output is the plain sequential sum over `in`,
 //     so it has no horizontal sums at all, and the same bits for every row
-//     count and on every instruction set with FMA.
+//     count and on every instruction set with FMA. With AMX (Intel's tile
+//     multiply) bf16 products of `in` a multiple of 32 run on the tiles
+//     instead, at one cost for 1-16 rows (bits of their own, row by row the
+//     same at every row count; below).
 // Tile shapes are chosen per row count so the accumulators fill most of the
 // vector registers (16 with AVX2, 32 with AVX-512) without spilling.
 //
@@ -37,7 +40,9 @@
 #include "kernels/cpu/matmul.h"
 
 #include <cblas.h>
-#include <immintrin.h>  // __builtin_ia32_dpbf16ps_v16sf (AVX-512 BF16)
+#include <immintrin.h>  // __builtin_ia32_dpbf16ps_v16sf (AVX-512 BF16), the AMX tile intrinsics
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -551,6 +556,86 @@ template <const TileShapes& Tiles, bool Dot = false>
 __attribute__((target("arch=x86-64-v4,avx512bf16"))) void pairs_chunk_avx512_bf16(const void* problem, int chunk) {
   pairs_chunk<kAvx512Tiles, true>(problem, chunk);
 }
+
+// ---- AMX: bf16 products of bf16 weights, `in` a multiple of 32 ---------------------
+//
+// TDPBF16PS multiplies a tile of up to 16 activation rows x 16 input pairs
+// (the rows of x_pairs) by 16 pairs x 16 features (16 consecutive rows of a
+// panel, which is that tile's layout already) into 16 x 16 f32 sums. Both
+// operands pair their inputs the same way (input 2k in a word's high half),
+// and the instruction multiplies high by high and low by low, so the panels
+// serve as they are. Its sums over a tile's 32 inputs are not taken in input
+// order, so its bits differ from the other kernels' in the last places; each
+// output still depends on its own row only, so a row has the same bits at
+// every row count. It costs the same for 1 row as for 16: a verify block
+// costs what one decode row does (both are bound by reading the weights).
+struct AmxTileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+constexpr int kAmxPanels = 4;  // sum tiles 0-3: four panels (64 features) per pass; 4: activations; 5-7: weights
+constexpr int kAmxGranule = kAmxPanels * kPanelFeatures;
+
+__attribute__((target("arch=x86-64-v4,avx512bf16,amx-tile,amx-bf16"))) void configure_amx(int rows) {
+  AmxTileConfig config;
+  for (int tile = 0; tile <= 4; ++tile) config.rows[tile] = uint8_t(rows), config.bytes_per_row[tile] = 64;
+  for (int tile = 5; tile < 8; ++tile) config.rows[tile] = 16, config.bytes_per_row[tile] = 64;
+  // GCC 12 does not see the instruction read `config`: without this its stores may be dropped.
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+
+__attribute__((target("arch=x86-64-v4,avx512bf16,amx-tile,amx-bf16"))) void pairs_chunk_amx(const void* problem,
+                                                                                            int chunk) {
+  const PairsProblem& p = *static_cast<const PairsProblem*>(problem);
+  const int begin = chunk * p.chunk_features, end = std::min(p.out_features, begin + p.chunk_features);
+  const int last_panel = (end + kPanelFeatures - 1) / kPanelFeatures;
+  const long panel_words = long(p.pairs) * kPanelFeatures;
+  alignas(64) float sums[16][kAmxGranule];
+  int configured = 0;
+  for (int row = 0; row < p.rows; row += 16) {
+    const int rows = std::min(16, p.rows - row);
+    if (rows != configured) configure_amx(configured = rows);
+    const uint32_t* x = p.x_pairs + long(row) * p.pairs;
+    for (int panel = begin / kPanelFeatures; panel < last_panel; panel += kAmxPanels) {
+      const int panels = std::min(kAmxPanels, last_panel - panel);
+      const uint32_t* w = p.weight + panel * panel_words;
+      // (The tile intrinsics are statements: one per line.)
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (long k = 0; k < p.pairs; k += 16, w += 16 * kPanelFeatures) {
+        _tile_loadd(4, x + k, p.pairs * 4);
+        _tile_loadd(5, w, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (panels > 1) {
+          _tile_loadd(6, w + panel_words, 64);
+          _tile_dpbf16ps(1, 4, 6);
+        }
+        if (panels > 2) {
+          _tile_loadd(7, w + 2 * panel_words, 64);
+          _tile_dpbf16ps(2, 4, 7);
+        }
+        if (panels > 3) {
+          _tile_loadd(5, w + 3 * panel_words, 64);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+      }
+      _tile_stored(0, &sums[0][0], sizeof sums[0]);
+      if (panels > 1) _tile_stored(1, &sums[0][16], sizeof sums[0]);
+      if (panels > 2) _tile_stored(2, &sums[0][32], sizeof sums[0]);
+      if (panels > 3) _tile_stored(3, &sums[0][48], sizeof sums[0]);
+      const int first = panel * kPanelFeatures, count = std::min(end, first + panels * kPanelFeatures) - first;
+      for (int r = 0; r < rows; ++r) {
+        float* out = p.out + long(row + r) * p.out_features + first;
+        for (int j = 0; j < count; ++j) out[j] = p.bias ? sums[r][j] + p.bias[first + j] : sums[r][j];
+      }
+    }
+  }
+  _tile_release();
+}
 __attribute__((target("arch=x86-64-v4"))) void pairs_chunk_avx512(const void* problem, int chunk) {
   pairs_chunk<kAvx512Tiles>(problem, chunk);
 }
@@ -561,8 +646,17 @@ void pairs_chunk_baseline(const void* problem, int chunk) { pairs_chunk<kBaselin
 
 // ---- dispatch ---------------------------------------------------------------------
 
+// AMX's tile registers are state Linux hands a process only on request.
+bool amx_permitted() {
+  constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+  return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+}
+
 MatmulIsa widest_supported() {
   __builtin_cpu_init();
+  static const bool amx = __builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512bf16") &&
+                          __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted();
+  if (amx) return MatmulIsa::Amx;
   if (__builtin_cpu_supports("x86-64-v4"))
     return __builtin_cpu_supports("avx512bf16") ? MatmulIsa::Avx512Bf16 : MatmulIsa::Avx512;
   if (__builtin_cpu_supports("x86-64-v3")) return MatmulIsa::Avx2;
@@ -657,6 +751,8 @@ void set_matmul_isa(MatmulIsa isa) {
 
 const char* matmul_isa_name(MatmulIsa isa) {
   switch (isa) {
+    case MatmulIsa::Amx:
+      return "amx";
     case MatmulIsa::Avx512Bf16:
       return "avx512-bf16";
     case MatmulIsa::Avx512:
@@ -710,7 +806,8 @@ std::vector<uint16_t> pack_bf16_columns(const float* weight, int in_features, in
 void matmul_forward_small_rows(float* out, const float* x, const uint16_t* weight, const float* bias, int rows,
                                int in_features, int out_features) {
   if (rows <= 0 || out_features <= 0) return;
-  const bool rounded = bf16_products(), dot = rounded && matmul_isa() == MatmulIsa::Avx512Bf16;
+  const bool rounded = bf16_products(), dot = rounded && matmul_isa() >= MatmulIsa::Avx512Bf16;
+  const bool amx = rounded && matmul_isa() == MatmulIsa::Amx && in_features % 32 == 0;
   PairsProblem problem{out,          x,    nullptr,     reinterpret_cast<const uint32_t*>(weight),
                        bias,         rows, in_features, (in_features + 1) / 2,
                        out_features, 0};
@@ -718,6 +815,11 @@ void matmul_forward_small_rows(float* out, const float* x, const uint16_t* weigh
     problem.x_pairs = bf16_pairs(x, rows, in_features);
   else if (rounded)
     problem.x = rounded_to_bf16(x, long(rows) * in_features);
+  if (amx) {  // a tile's work is that of 16 rows, however many it holds
+    problem.chunk_features = chunk_size(long(16) * in_features * out_features, out_features, kAmxGranule);
+    parallel_run(pairs_chunk_amx, &problem, (out_features + problem.chunk_features - 1) / problem.chunk_features);
+    return;
+  }
   const TileShapes& tiles = tile_shapes(matmul_isa());
   const int tile_features =
       tiles.width * pairs_vectors_for(tiles.axpy_registers, largest_row_block(rows, tiles.axpy_max_rows), dot);

@@ -108,10 +108,14 @@ int matmul_threads();
 // CPU supports is used unless set_matmul_isa picks a narrower one (tests run
 // every supported one; the benchmark compares them). Asking for one the CPU
 // lacks fails.
-// SSE2; AVX2 + FMA (x86-64-v3); AVX-512 (x86-64-v4); and AVX-512 BF16, which
+// SSE2; AVX2 + FMA (x86-64-v3); AVX-512 (x86-64-v4); AVX-512 BF16, which
 // only products of bf16 weights with bf16_products() on use (every other
-// kernel is AVX-512's), with the same result bits as AVX-512.
-enum class MatmulIsa { Baseline, Avx2, Avx512, Avx512Bf16 };
+// kernel is AVX-512's), with the same result bits as AVX-512; and AMX
+// (AVX-512 BF16 with Intel's tile multiply, where Linux grants it), which
+// runs those products when in_features is a multiple of 32 (the rest as
+// AVX-512 BF16) at the same cost for 1 to 16 rows, with bits of its own
+// (matmul.cpp): a row's bits still do not depend on the rows beside it.
+enum class MatmulIsa { Baseline, Avx2, Avx512, Avx512Bf16, Amx };
 MatmulIsa matmul_isa();
 bool matmul_isa_supported(MatmulIsa isa);
 void set_matmul_isa(MatmulIsa isa);
