@@ -205,14 +205,16 @@ int main(int argc, char** argv) {
       dspark::cpu::set_bf16_products(true);
     } else if (argument.rfind("--isa=", 0) == 0) {
       bool known = false;
-      for (auto isa : {dspark::cpu::MatmulIsa::Baseline, dspark::cpu::MatmulIsa::Avx2, dspark::cpu::MatmulIsa::Avx512,
-                       dspark::cpu::MatmulIsa::Avx512Bf16, dspark::cpu::MatmulIsa::Amx})
+      std::string names;
+      for (auto isa : dspark::cpu::kMatmulIsas) {
+        names += std::string(names.empty() ? "" : ", ") + dspark::cpu::matmul_isa_name(isa);
         if (argument.substr(6) == dspark::cpu::matmul_isa_name(isa)) {
           dspark::cpu::set_matmul_isa(isa);
           known = true;
         }
+      }
       if (!known) {
-        std::fprintf(stderr, "unknown %s (amx, avx512-bf16, avx512, avx2 or baseline)\n", argument.c_str());
+        std::fprintf(stderr, "unknown %s (one of: %s)\n", argument.c_str(), names.c_str());
         return 1;
       }
     } else {

@@ -20,8 +20,7 @@ class IsaTest : public ::testing::Test {
   }
   std::vector<cpu::MatmulIsa> supported() const {
     std::vector<cpu::MatmulIsa> isas;
-    for (cpu::MatmulIsa isa : {cpu::MatmulIsa::Baseline, cpu::MatmulIsa::Avx2, cpu::MatmulIsa::Avx512,
-                               cpu::MatmulIsa::Avx512Bf16, cpu::MatmulIsa::Amx})
+    for (cpu::MatmulIsa isa : cpu::kMatmulIsas)
       if (cpu::matmul_isa_supported(isa)) isas.push_back(isa);
     return isas;
   }

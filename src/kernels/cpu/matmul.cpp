@@ -806,8 +806,9 @@ std::vector<uint16_t> pack_bf16_columns(const float* weight, int in_features, in
 void matmul_forward_small_rows(float* out, const float* x, const uint16_t* weight, const float* bias, int rows,
                                int in_features, int out_features) {
   if (rows <= 0 || out_features <= 0) return;
-  const bool rounded = bf16_products(), dot = rounded && matmul_isa() >= MatmulIsa::Avx512Bf16;
-  const bool amx = rounded && matmul_isa() == MatmulIsa::Amx && in_features % 32 == 0;
+  const MatmulIsa isa = matmul_isa();
+  const bool rounded = bf16_products(), dot = rounded && isa >= MatmulIsa::Avx512Bf16;
+  const bool amx = rounded && isa == MatmulIsa::Amx && in_features % 32 == 0;
   PairsProblem problem{out,          x,    nullptr,     reinterpret_cast<const uint32_t*>(weight),
                        bias,         rows, in_features, (in_features + 1) / 2,
                        out_features, 0};
@@ -820,7 +821,7 @@ void matmul_forward_small_rows(float* out, const float* x, const uint16_t* weigh
     parallel_run(pairs_chunk_amx, &problem, (out_features + problem.chunk_features - 1) / problem.chunk_features);
     return;
   }
-  const TileShapes& tiles = tile_shapes(matmul_isa());
+  const TileShapes& tiles = tile_shapes(isa);
   const int tile_features =
       tiles.width * pairs_vectors_for(tiles.axpy_registers, largest_row_block(rows, tiles.axpy_max_rows), dot);
   problem.chunk_features = chunk_size(long(rows) * in_features * out_features, out_features, tile_features);

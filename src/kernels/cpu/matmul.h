@@ -116,6 +116,9 @@ int matmul_threads();
 // AVX-512 BF16) at the same cost for 1 to 16 rows, with bits of its own
 // (matmul.cpp): a row's bits still do not depend on the rows beside it.
 enum class MatmulIsa { Baseline, Avx2, Avx512, Avx512Bf16, Amx };
+// Every one of them, narrowest first (for tests and benchmarks that try each).
+constexpr MatmulIsa kMatmulIsas[] = {MatmulIsa::Baseline, MatmulIsa::Avx2, MatmulIsa::Avx512, MatmulIsa::Avx512Bf16,
+                                     MatmulIsa::Amx};
 MatmulIsa matmul_isa();
 bool matmul_isa_supported(MatmulIsa isa);
 void set_matmul_isa(MatmulIsa isa);
