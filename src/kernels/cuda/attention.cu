@@ -13,6 +13,14 @@ namespace {
 constexpr int kWarps = 16;
 constexpr int kRowsPerWarp = kAttentionRowsPerBlock / kWarps;
 
+// Four consecutive bf16 (8-byte aligned) as floats, in one load.
+__device__ __forceinline__ float4 bf16x4_to_float4(const bf16* source) {
+  const uint2 bits = *reinterpret_cast<const uint2*>(source);
+  const float2 low = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits.x));
+  const float2 high = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits.y));
+  return make_float4(low.x, low.y, high.x, high.y);
+}
+
 // grid: x = KV split, y = kv head, z = sequence * row_blocks + row block.
 // Each CTA streams its KV range tile by tile (kBlockSize positions, one cache
 // block) through shared memory; each warp keeps an online softmax for
@@ -20,8 +28,10 @@ constexpr int kRowsPerWarp = kAttentionRowsPerBlock / kWarps;
 // head_dim/32 output dims.
 // ROPE: the step's queries, keys and values come from the QKV GEMM's output
 // (AttentionRope), normed and rotated here, instead of from q and the cache.
+// Two CTAs per SM (64 registers): a 16-token verify step's 256 CTAs at 8B
+// then run in one wave.
 template <int HEAD_DIM, bool ROPE>
-__global__ void __launch_bounds__(kWarps * 32)
+__global__ void __launch_bounds__(kWarps * 32, 2)
     attention_kernel(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_cache, AttentionBatch batch,
                      int heads, int kv_heads, int splits, int row_blocks, float* partial_out, float* partial_lse,
                      int total_rows, AttentionRope rope) {
@@ -32,7 +42,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   // while the kernel before it runs; after the wait only the queries and the
   // step's own rows remain (loaded, or with ROPE computed from the QKV GEMM's
   // output).
-  constexpr int kPad = 2;  // row stride HEAD_DIM + 2 bf16: lanes reading their own key hit distinct banks
+  // Row stride HEAD_DIM + 4 bf16: rows 8-byte aligned, so a lane reads 4 of
+  // its key's (or value's) elements in one load, and the 16 lanes of a
+  // half-warp reading their own keys hit distinct banks.
+  constexpr int kPad = 4;
   constexpr int kDimsPerLane = HEAD_DIM >= 32 ? HEAD_DIM / 32 : 1;
   __shared__ __align__(16) bf16 keys[kBlockSize][HEAD_DIM + kPad];
   __shared__ __align__(16) bf16 values[kBlockSize][HEAD_DIM + kPad];
@@ -85,6 +98,15 @@ __global__ void __launch_bounds__(kWarps * 32)
     first_slot = static_cast<long>(blocks[tile_begin]) * kBlockSize;
     load_tile(first_slot, tile_begin, 0, first_query_position);
   }
+  // ROPE: a warp per query row (kAttentionRowsPerBlock == kWarps), and a warp
+  // per step row of a tile to rotate as a key (own_begin: this warp's first),
+  // counted from the last warp down, so that in a decode step (4 query rows,
+  // one key) the key's chain of loads runs beside the queries' instead of after
+  // one of them.
+  static_assert(kAttentionRowsPerBlock == kWarps);
+  const int query_row = first_row + warp;
+  auto own_begin = [&](int tile) { return max(tile * kBlockSize, first_query_position) + (kWarps - 1 - warp); };
+  auto own_end = [&](int tile) { return min((tile + 1) * kBlockSize, length); };
   wait_for_previous_kernel();
   start_next_kernel();
   // With ROPE the step's own rows [first_query_position, length) are computed
@@ -92,15 +114,13 @@ __global__ void __launch_bounds__(kWarps * 32)
   if (tile_begin < tile_end) load_tile(first_slot, tile_begin, ROPE ? length : first_query_position, INT_MAX);
   const long qkv_width = static_cast<long>(heads + 2 * kv_heads) * HEAD_DIM;
   if constexpr (ROPE) {
-    for (int local = warp; local < kAttentionRowsPerBlock; local += kWarps) {  // a warp per query row
-      const int row = first_row + local;
-      if (row >= rows) continue;  // never read
-      const int token = row / group, head = kv_head * group + row % group;
-      const long qkv_row = query_start + token;
-      const RopeLane constants = load_rope_lane(rope.q_norm, rope.rope_table, rope.positions[qkv_row], HEAD_DIM, lane);
-      norm_rope_row(rope.qkv + qkv_row * qkv_width + static_cast<long>(head) * HEAD_DIM, constants,
+    if (query_row < rows) {  // (rows past it are never read)
+      const int token = query_row / group, head = kv_head * group + query_row % group;
+      const RopeLane constants =
+          load_rope_lane(rope.q_norm, rope.rope_table, rope.positions[query_start + token], HEAD_DIM, lane);
+      norm_rope_row(rope.qkv + (query_start + token) * qkv_width + static_cast<long>(head) * HEAD_DIM, constants,
                     rope.q_norm != nullptr, HEAD_DIM, rope.eps, lane,
-                    [&](int i, bf16 value) { queries[local][i] = __bfloat162float(value); });
+                    [&](int i, bf16 value) { queries[warp][i] = __bfloat162float(value); });
     }
   } else {
 #pragma unroll
@@ -147,8 +167,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       // The step's rows in this tile, a warp per position: the key normed and
       // rotated, the value as it is. The CTA of the row block that holds the
       // token's first query row appends them to the cache (it reads their tile).
-      const int own_begin = max(tile_first, first_query_position), own_end = min(tile_first + kBlockSize, length);
-      for (int position = own_begin + warp; position < own_end; position += kWarps) {
+      for (int position = own_begin(tile); position < own_end(tile); position += kWarps) {
         const int token = position - first_query_position;
         const long qkv_row = query_start + token;
         const bf16* key_in = rope.qkv + qkv_row * qkv_width + static_cast<long>(heads + kv_head) * HEAD_DIM;
@@ -179,13 +198,18 @@ __global__ void __launch_bounds__(kWarps * 32)
       const int query_position = first_query_position + row / group;
       float score = -INFINITY;
       if (key_position <= query_position) {
-        float dot = 0.0f;
-#pragma unroll 8
-        for (int pair = 0; pair < HEAD_DIM / 2; ++pair) {
-          const float2 key = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&keys[lane][2 * pair]));
-          dot += queries[local][2 * pair] * key.x + queries[local][2 * pair + 1] * key.y;
+        // Four elements per load of the key and the query; four independent
+        // sums (over alternate groups of 4) so the FMAs do not wait on one chain.
+        float dots[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+        for (int quad = 0; quad < HEAD_DIM / 4; ++quad) {
+          const float4 query = *reinterpret_cast<const float4*>(&queries[local][4 * quad]);
+          const float4 key = bf16x4_to_float4(&keys[lane][4 * quad]);
+          float& dot = dots[quad % 4];
+          dot += query.x * key.x + query.y * key.y;
+          dot += query.z * key.z + query.w * key.w;
         }
-        score = dot * scale;
+        score = ((dots[0] + dots[1]) + (dots[2] + dots[3])) * scale;
       }
       const float new_max = fmaxf(running_max[r], warp_max(score));
       if (new_max == -INFINITY) continue;  // every key of this tile is in this row's future
@@ -197,10 +221,18 @@ __global__ void __launch_bounds__(kWarps * 32)
       for (int d = 0; d < kDimsPerLane; ++d) accumulator[r][d] *= correction;
       for (int j = 0; j < kBlockSize; ++j) {
         const float p = __shfl_sync(0xffffffffu, weight, j);
+        if constexpr (kDimsPerLane == 4) {  // HEAD_DIM 128: the lane's 4 dims in one load
+          const float4 value = bf16x4_to_float4(&values[j][lane * 4]);
+          accumulator[r][0] += p * value.x;
+          accumulator[r][1] += p * value.y;
+          accumulator[r][2] += p * value.z;
+          accumulator[r][3] += p * value.w;
+        } else {
 #pragma unroll
-        for (int d = 0; d < kDimsPerLane; ++d) {
-          const int dim = lane * kDimsPerLane + d;
-          if (dim < HEAD_DIM) accumulator[r][d] += p * __bfloat162float(values[j][dim]);
+          for (int d = 0; d < kDimsPerLane; ++d) {
+            const int dim = lane * kDimsPerLane + d;
+            if (dim < HEAD_DIM) accumulator[r][d] += p * __bfloat162float(values[j][dim]);
+          }
         }
       }
     }
