@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Decode speed of dspark against Hugging Face transformers, on random-weight Qwen3 checkpoints.
 
-What it measures, per shape (qwen3-8b, qwen3-1.7b):
+What it measures, per shape (qwen3-8b, qwen3-4b, qwen3-1.7b; --shapes picks them):
 
   1. It writes a random-weight bf16 checkpoint with the real Qwen3 shapes into
      <workdir>/<shape>/ (once: a `.complete` marker, written last, says it is whole).
@@ -68,6 +68,8 @@ HEAD_DIM = 128
 SHAPES = {
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
     "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
 }
