@@ -17,7 +17,20 @@ void fill_proposals(std::span<const DraftResult> results, std::span<const size_t
 }
 
 void DSparkSource::begin(int row, std::span<const int32_t>, uint64_t seed) {
-  rows_.insert_or_assign(row, RowState{DraftContext{}, Rng(seed), {}});
+  std::vector<float> staged;
+  if (!spare_staging_.empty()) {
+    staged = std::move(spare_staging_.back());
+    spare_staging_.pop_back();
+  }
+  rows_.insert_or_assign(row, RowState{DraftContext{}, Rng(seed), std::move(staged)});
+}
+
+void DSparkSource::end(int row) {
+  const auto found = rows_.find(row);
+  if (found == rows_.end()) return;
+  found->second.staged.clear();  // (the capacity stays)
+  spare_staging_.push_back(std::move(found->second.staged));
+  rows_.erase(found);
 }
 
 void DSparkSource::accept(int row, std::span<const int32_t> tokens, const float* tapped_rows) {
