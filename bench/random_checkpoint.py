@@ -25,9 +25,11 @@ import shutil
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "tools")]
 from decode_vs_hf import (SEED, SHAPES, atomic_write_text, hf_config, log, plan_shards,  # noqa: E402
                           spec_bytes, tensor_specs)
+from safetensors_file import write_safetensors  # noqa: E402
 
 # The high byte of a weight: the sign and the exponent's upper 7 bits (59 or 60,
 # so the exponent with the low byte's top bit is 118..121, i.e. 2^-9 .. 2^-6).
@@ -42,23 +44,6 @@ def random_bf16(name, count):
     values = bytearray(hashlib.shake_256(f"{SEED}:{name}".encode()).digest(2 * count))
     values[1::2] = values[1::2].translate(HIGH_BYTE)  # the low bytes stay: exponent's low bit, mantissa
     return values
-
-
-def write_shard(path, tensors):
-    """A safetensors file of [(name, dims, data bytes)], written atomically."""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, dims, data in tensors:
-        header[name] = {"dtype": "BF16", "shape": list(dims), "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    temp = f"{path}.tmp.{os.getpid()}"
-    with open(temp, "wb") as file:
-        file.write(len(encoded).to_bytes(8, "little"))
-        file.write(encoded)
-        for _, _, data in tensors:
-            file.write(data)
-    os.replace(temp, path)
 
 
 def main():
@@ -85,10 +70,10 @@ def main():
         for name, dims, is_norm in shard:
             count = spec_bytes(dims) // 2
             data = ONE_BF16 * count if is_norm else random_bf16(name, count)
-            tensors.append((name, dims, data))
+            tensors.append((name, "BF16", dims, data))
             weight_map[name] = file_name
-        write_shard(os.path.join(args.out, file_name), tensors)
-        written += sum(len(data) for _, _, data in tensors)
+        write_safetensors(os.path.join(args.out, file_name), tensors, {"format": "pt"})
+        written += sum(len(data) for _, _, _, data in tensors)
         seconds = time.perf_counter() - start
         log(f"{file_name}: {written / 1e9:.2f} of {total / 1e9:.2f} GB, {written / 1e9 / seconds:.2f} GB/s, "
             f"ETA {seconds * (total - written) / written:.0f} s")
