@@ -177,7 +177,8 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
   EXPECT_EQ(gate_pattern(even, 8, poor, good), "D.D..DDD");
   EXPECT_NEAR(even.gain(), 0.0625 * 0.525 + 0.9375 * 1.355, 1e-6);
   // Four rows: a closed gate probes with one row, whose round is scaled to
-  // four for the estimate (the same gain as four such rows drafting).
+  // four for the estimate (the same gain as four such rows drafting), and
+  // verifies none of its drafts (the round stays a plain step).
   PrefixScheduler batch(flat, DraftCostProfile{{1}, {0.1}});
   std::vector<Proposal> four(4, good[0]), probe(4);
   probe[0] = good[0];
@@ -187,11 +188,29 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
     if (drafting.back() == 4) batch.schedule(four, verify);
     if (drafting.back() == 1) {
       batch.schedule(probe, verify);
-      EXPECT_EQ(verify, (std::vector<int>{2, 0, 0, 0}));
+      EXPECT_EQ(verify, (std::vector<int>{0, 0, 0, 0}));
     }
   }
   EXPECT_EQ(drafting, (std::vector<int>{4, 0, 1, 0, 0, 1}));
   EXPECT_NEAR(batch.gain(), (4 + 4 * 1.71) / (0.01 + 0.4) / 400, 1e-6);  // D(4) = 4 x 100 ms past the last point
+  // The runs of plain rounds stop growing at 128; a batch that shrinks past
+  // a power of two (four rows to two) is looked at again at once.
+  PrefixScheduler shut(flat, DraftCostProfile{{1}, {0.1}});
+  std::string runs;
+  int plain_run = 0;
+  for (int round = 0; round < 700; ++round) {
+    if (shut.rows_to_draft(std::vector<int>(4, 64)) == 0) {
+      ++plain_run;
+      continue;
+    }
+    shut.schedule(probe, verify);
+    if (plain_run > 0) runs += std::to_string(plain_run) + " ";
+    plain_run = 0;
+  }
+  EXPECT_EQ(runs, "1 2 4 8 16 32 64 128 128 128 128 ");
+  EXPECT_EQ(plain_run, 700 - 639 - 12);                       // into the next run of 128
+  EXPECT_EQ(shut.rows_to_draft(std::vector<int>(3, 64)), 0);  // 3 rows: the same power of two
+  EXPECT_EQ(shut.rows_to_draft(std::vector<int>(2, 64)), 1);
   // Without a draft cost profile the gate never closes (Alg 1 alone).
   PrefixScheduler alone(flat);
   for (int round = 0; round < 4; ++round) {

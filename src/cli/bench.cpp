@@ -358,19 +358,22 @@ void run_bench_spec(const BenchSpecFlags& flags) {
   };
   auto mode_json = [&](const Point& point, const TimedDecoding& mode) {
     const SpeculativeStats& stats = mode.stats;
-    return Json{{"tokens_per_s", mode.tokens_per_s()},
-                {"speedup", mode.tokens_per_s() / point.plain.tokens_per_s()},
-                {"tau", stats.tau()},
-                {"proposed_per_round", stats.rounds ? double(stats.proposed) / stats.rounds : 0.0},
-                {"verified_per_round", stats.rounds ? double(stats.drafted) / stats.rounds : 0.0},
-                {"undrafted_rounds", stats.undrafted},
-                {"rounds", stats.rounds},
-                {"prefill_ms", 1e3 * mode.prefill_seconds},
-                {"batch_rounds", mode.timing.rounds},
-                {"ms_per_batch_round", round_phases(mode.timing)},
-                {"acceptance_by_position", stats.acceptance_by_position()},
-                {"outputs_matched", mode.matched},
-                {"all_outputs_match", mode.matched == long(point.requests)}};
+    return Json{
+        {"tokens_per_s", mode.tokens_per_s()},
+        {"speedup", mode.tokens_per_s() / point.plain.tokens_per_s()},
+        {"tau", stats.tau()},
+        {"proposed_per_round", stats.rounds ? double(stats.proposed) / stats.rounds : 0.0},
+        {"verified_per_round", stats.rounds ? double(stats.drafted) / stats.rounds : 0.0},
+        {"undrafted_rounds", stats.undrafted},
+        {"rounds", stats.rounds},
+        {"prefill_ms", 1e3 * mode.prefill_seconds},
+        {"batch_rounds", mode.timing.rounds},
+        {"ms_per_batch_round", round_phases(mode.timing)},
+        {"ms_per_undrafted_round",
+         mode.timing.undrafted_rounds ? 1e3 * mode.timing.undrafted_seconds / mode.timing.undrafted_rounds : 0.0},
+        {"acceptance_by_position", stats.acceptance_by_position()},
+        {"outputs_matched", mode.matched},
+        {"all_outputs_match", mode.matched == long(point.requests)}};
   };
   if (!flags.plot.empty()) {
     std::vector<PlotSeries> series;

@@ -59,6 +59,12 @@ using cuda::PinnedBuffer;
 
 constexpr int kMaxGraphBatch = 64;        // batch buckets 1, 2, 4, ... 64
 constexpr int kMaxGraphTokens = 64;       // tokens per sequence in a graphed step
+// The tap ring: a step of at most kTapRingSlotRows tokens also leaves its
+// tapped rows in slot (serial mod kTapRingSlots) of a ring, where they stay
+// through the next kTapRingSlots - 1 such steps (TargetResult::device_taps_intact):
+// a draft source can take a round's rows when it needs them, not every round.
+constexpr int kTapRingSlots = 64;
+constexpr int kTapRingSlotRows = 64;
 constexpr int kMaxTableRows = 1024;       // sequences alive at once (+1 for padding)
 constexpr long kMaxChunkTokens = 8192;    // a long single-sequence forward runs in chunks
 constexpr long kMaxPoolTokens = 1 << 18;  // KV pool cap
@@ -107,8 +113,8 @@ struct SequenceState {
 
 // Offsets (in 4-byte words) of the step metadata inside the staging buffers.
 struct StepLayout {
-  long tokens, positions, slots, query_start, query_length, sequence_length, table_row, logit_rows,
-      score_tokens, uniforms, tap_rows, words;
+  long tokens, positions, slots, query_start, query_length, sequence_length, table_row, logit_rows, score_tokens,
+      uniforms, tap_rows, tap_ring, words;
   StepLayout(long max_tokens, long max_sequences) {
     long at = (sizeof(cuda::DeviceSamplingParams) + 3) / 4;
     auto take = [&](long count) { long begin = at; at += count; return begin; };
@@ -117,6 +123,7 @@ struct StepLayout {
     sequence_length = take(max_sequences), table_row = take(max_sequences);
     logit_rows = take(max_tokens), score_tokens = take(max_tokens), uniforms = take(max_tokens);
     tap_rows = take(max_tokens);
+    tap_ring = take(2);  // the step's tap ring placement: first ring row, rows (0: none)
     words = at;
   }
 };
@@ -189,6 +196,9 @@ class CudaTarget final : public Target {
   DeviceBuffer<uint32_t> metadata_;
   DeviceBuffer<float> residual_, logits_, nll_, taps_, partial_out_, partial_lse_;
   DeviceBuffer<float> packed_taps_;  // a padded step's taps, its real rows only
+  DeviceBuffer<float> tap_ring_;     // [kTapRingSlots * kTapRingSlotRows, tap width]
+  long tap_ring_width_ = 0;          // its rows' width (m * H), 0 before the first tapped step
+  long tap_ring_serial_ = 0;         // tapped steps that used the ring so far (their slot: serial mod slots)
   DeviceBuffer<bf16> normed_, qkv_, queries_, attention_, projected_, gate_up_, activated_, head_input_;
   DeviceBuffer<unsigned> norm_counter_;  // the fused GEMV + norm's block count, 0 between launches
   DeviceBuffer<int32_t> chosen_;
@@ -361,7 +371,10 @@ void CudaTarget::ensure_blocks(SequenceState& sequence, int length) {
 
 void CudaTarget::ensure_capacity(long tokens, long sequences) {
   if (tokens <= max_tokens_ && sequences <= max_sequences_) return;
-  max_tokens_ = std::max(tokens, max_tokens_);
+  // Grown by half at least: every growth drops the captured graphs, and a
+  // run's prefills of a few hundred tokens more each time (a benchmark's
+  // batches, a server's) would otherwise drop them at each new maximum.
+  if (tokens > max_tokens_) max_tokens_ = std::max(tokens, max_tokens_ + max_tokens_ / 2);
   max_sequences_ = std::max(sequences, max_sequences_);
   const ModelConfig& c = config_;
   const long T = max_tokens_, H = c.hidden_size, q_size = long(c.num_heads) * c.head_dim;
@@ -403,8 +416,9 @@ void CudaTarget::ensure_split_capacity(long splits, long tokens) {
   const ModelConfig& c = config_;
   const long row_heads = splits * tokens * c.num_heads;
   if (splits <= 1 || long(partial_lse_.size()) >= row_heads) return;
-  partial_out_.resize(row_heads * c.head_dim);
-  partial_lse_.resize(row_heads);
+  const long capacity = std::max<long>(row_heads, partial_lse_.size() + partial_lse_.size() / 2);  // as ensure_capacity
+  partial_out_.resize(capacity * c.head_dim);
+  partial_lse_.resize(capacity);
   forget_graphs();  // they point at the old buffers
 }
 
@@ -555,14 +569,28 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
         request.uniforms.empty() ? 0.0f : static_cast<float>(request.uniforms[r]);
     ints(layout_.score_tokens)[r] = request.score_tokens.empty() ? 0 : request.score_tokens[r];
   }
+  // The tap ring (see kTapRingSlots): sized for this tap width (a new width
+  // starts it over: every captured graph and every row in it is stale; one
+  // draft source reads a target's taps at a time).
+  const long tap_width = long(request.taps.size()) * c.hidden_size;
+  const bool ring = tap_width > 0 && real_tokens <= kTapRingSlotRows;
+  if (tap_width > 0 && tap_width != tap_ring_width_) {
+    tap_ring_.resize(size_t(kTapRingSlots) * kTapRingSlotRows * tap_width);
+    tap_ring_width_ = tap_width;
+    tap_ring_serial_ += kTapRingSlots;
+    forget_graphs();
+  }
+  const int ring_slot = static_cast<int>(tap_ring_serial_ % kTapRingSlots);
+  ints(layout_.tap_ring)[0] = ring_slot * kTapRingSlotRows;
+  ints(layout_.tap_ring)[1] = ring ? real_tokens : 0;
   CUDA_CHECK(cudaMemcpyAsync(metadata_.data(), words, layout_.words * sizeof(uint32_t), cudaMemcpyHostToDevice,
                              stream_));
 
   const bool score = !request.score_tokens.empty();
   shape.taps.assign(request.taps.begin(), request.taps.end());
   const size_t tap_values = size_t(shape.tokens) * request.taps.size() * c.hidden_size;
-  if (tap_values > taps_.size()) {
-    taps_.resize(tap_values);
+  if (tap_values > taps_.size()) {  // room for the most tokens a step has had (ensure_capacity grows it ahead)
+    taps_.resize(std::max(tap_values, size_t(max_tokens_) * request.taps.size() * c.hidden_size));
     forget_graphs();  // they point at the old buffer
   }
   if (graphable && eager_runs_[shape] >= 1 && !profiler_.enabled()) {
@@ -584,8 +612,9 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
     profiler_.finish_step(shape.tokens == profiled_tokens_ * shape.sequences);
   }
   const float* taps = taps_.data();
-  const long tap_width = long(request.taps.size()) * c.hidden_size;
-  if (padded && tap_width > 0) {  // the real tokens' rows, back to back
+  if (ring) {  // the real tokens' rows, back to back in the ring
+    taps = tap_ring_.data() + long(ring_slot) * kTapRingSlotRows * tap_width;
+  } else if (padded && tap_width > 0) {  // the real tokens' rows, back to back
     if (packed_taps_.size() < size_t(real_tokens) * tap_width) packed_taps_.resize(size_t(shape.tokens) * tap_width);
     cuda::embedding_forward(packed_taps_.data(), taps_.data(), reinterpret_cast<const int32_t*>(metadata_.data()) +
                             layout_.tap_rows, real_tokens, static_cast<int>(tap_width), stream_);
@@ -608,6 +637,9 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
   }
   result.taps.clear();
   result.device_taps = nullptr;
+  result.device_taps_serial = tap_ring_serial_;
+  result.device_taps_intact = ring ? kTapRingSlots - 1 : 0;
+  if (ring) ++tap_ring_serial_;
   if (!request.taps.empty() && request.taps_on_device) {
     result.device_taps = taps;  // complete: the stream was synchronised above
   } else if (!request.taps.empty()) {
@@ -704,6 +736,12 @@ void CudaTarget::run_step(const StepShape& shape, std::span<const int> taps, boo
                               shape.logit_rows, V, s);
   p.mark("token selection", s);
   if (score) cuda::token_nll_forward(nll_.data(), logits_.data(), meta + layout_.score_tokens, shape.logit_rows, V, s);
+  // The tapped rows into the tap ring, where the step's placement says (a step
+  // of more tokens than a slot holds writes none); last, off the token's path.
+  if (m > 0)
+    cuda::tap_ring_write_forward(tap_ring_.data(), meta + layout_.tap_ring,
+                                 shape.padded ? meta + layout_.tap_rows : nullptr, taps_.data(),
+                                 std::min(T, kTapRingSlotRows), static_cast<int>(tap_stride), s);
 }
 
 }  // namespace

@@ -51,12 +51,20 @@ struct TargetResult {
   std::vector<float> taps;      // [T, m, H] when taps were requested (and not left on the device)
   // [T, m, H] f32 in device memory, the same rows as `taps` (every input
   // token, in input order), when taps_on_device was asked and honoured; else
-  // null. Not owned: the target's buffer, valid until its next forward()
-  // (truncate_sequence and release_sequence leave it alone). The rows are
+  // null. Not owned: the target's buffer, valid for as long as
+  // device_taps_intact says (truncate_sequence and release_sequence leave it
+  // alone). The rows are
   // complete when forward() returns and are written on the target's stream
   // (CudaTargetHead::stream), so work queued on that stream afterwards reads
   // them in order, and later forwards on it overwrite them only after that work.
   const float* device_taps = nullptr;
+  // How long device_taps stay: 0, until the target's next forward; n > 0,
+  // through its next n forwards that keep their taps so. Those forwards are
+  // numbered by device_taps_serial (one more each), so that a caller holding
+  // rows of several can tell when the oldest must be taken: rows of serial s
+  // are overwritten by the forward of serial s + n + 1.
+  long device_taps_serial = 0;
+  int device_taps_intact = 0;
 };
 
 class Target {

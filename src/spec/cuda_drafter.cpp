@@ -243,7 +243,16 @@ void CudaDrafter::extend_context_from_device(int id, const float* device_rows, i
   device_staged_rows_ += count;
 }
 
+void CudaDrafter::finish_device_rows(long serial, int intact) {
+  if (pending_sources_.empty()) return;
+  if (pending_serial_ < 0) pending_serial_ = serial;
+  // Rows of serial s stay until the forward of serial s + intact + 1; the
+  // next forward's serial is at most serial + 1.
+  if (intact == 0 || serial + 1 > pending_serial_ + intact) convert_device_rows();
+}
+
 void CudaDrafter::convert_device_rows() {
+  pending_serial_ = -1;
   if (pending_sources_.empty()) return;
   const cudaStream_t producer = head_.stream;
   if (device_staged_read_pending_) {  // the last pass may still be reading the rows about to be overwritten

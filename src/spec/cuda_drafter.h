@@ -20,11 +20,13 @@
 // pass) or straight from the CUDA target's device taps
 // (extend_context_from_device: converted on the device into one device staging
 // area shared by all contexts). Device rows are recorded as they are
-// accepted and converted together, one launch for a round's rows
-// (convert_device_rows(), which the draft source calls once its round's
-// accepts are done, before the target's next forward), on the target's
-// stream, so the conversion runs after the forward that wrote them and before
-// any later forward overwrites them, with no event per row; the pass (on the
+// accepted and converted together, one launch for the rows of one or more
+// rounds (convert_device_rows(): at the next draft, or when the draft source
+// finishes a round's accepts and the target's next forward may overwrite the
+// oldest of them, finish_device_rows(); the CUDA target keeps a verify
+// step's taps for 63 more such steps, so undrafted rounds launch nothing), on
+// the target's stream, so the conversion runs after the forwards that wrote
+// them and before any later forward overwrites them, with no event per row; the pass (on the
 // drafter's stream) waits on one event recorded there after the last
 // conversion, and the first conversion after a pass waits on one recorded after
 // the pass read the staging area. Either way a row's bf16 bits are the same,
@@ -105,6 +107,12 @@ class CudaDrafter {
   // target's stream: after it returns the rows may be overwritten by anything
   // queued there.
   void convert_device_rows();
+  // After a round's device rows are recorded, before the target's next
+  // forward, with the serial and lifetime of the forward that wrote them
+  // (TargetResult::device_taps_serial, device_taps_intact): converts the
+  // recorded rows when that forward may overwrite the oldest of them, else
+  // leaves them for later (the next draft converts them anyway).
+  void finish_device_rows(long serial, int intact);
   void truncate_context(int context, int length);
   // Projects every staged row into its context now (draft() does this first
   // for its requests' contexts).
@@ -206,6 +214,7 @@ class CudaDrafter {
   // Device rows accepted but not yet converted (the last pending_sources_.size()
   // rows of device_staged_): one gather-convert launch for all of them.
   std::vector<const float*> pending_sources_;
+  long pending_serial_ = -1;  // the device_taps_serial of the oldest of them (-1: not yet told)
   cuda::DeviceBuffer<const float*> pending_table_;
   std::vector<int> flushed_ids_;  // flush_contexts_of's requests' contexts, sorted (kept to reuse its storage)
 

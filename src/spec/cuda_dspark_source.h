@@ -23,7 +23,9 @@ class CudaDSparkSource final : public DraftSource {
   // The CUDA target's device taps: converted on the device, never copied to the host.
   bool accepts_device_taps() const override { return true; }
   void accept_device(int row, std::span<const int32_t> tokens, const float* device_rows) override;
-  void finish_accepts() override { drafter_.convert_device_rows(); }
+  void finish_accepts(const TargetResult& forward) override {
+    drafter_.finish_device_rows(forward.device_taps_serial, forward.device_taps_intact);
+  }
   void propose(std::span<const int> rows, std::span<const int32_t> pending, std::span<const int> max_tokens,
                const cpu::SamplingParams& sampling, std::vector<Proposal>& proposals) override;
   void end(int row) override;

@@ -40,15 +40,19 @@ class DraftSource {
   // host keep the default: the engine then asks the target for host taps.
   virtual bool accepts_device_taps() const { return false; }
   // accept() with `device_rows` [count, m*H] f32 in device memory, written by
-  // the target's last forward and valid only until its next one: the source
-  // must take what it needs before finish_accepts() returns (it may queue
-  // device work on the target's stream, which orders it before that forward).
-  // Only called when accepts_device_taps().
+  // the target's last forward and intact for as long as its result says
+  // (TargetResult::device_taps_intact): the source must take them before a
+  // forward overwrites them (it may queue device work on the target's
+  // stream, which orders it before later forwards). Only called when
+  // accepts_device_taps().
   virtual void accept_device(int row, std::span<const int32_t> tokens, const float* device_rows);
   // Called after each batch of accepts (the prefill's, then each round's),
-  // before the target's next forward: a source that held on to device rows
-  // must take them now (CudaDSparkSource converts a round's rows in one launch).
-  virtual void finish_accepts() {}
+  // before the target's next forward, with the result of the forward they
+  // came from: a source holding device rows must take, before it returns,
+  // those the next forward may overwrite (CudaDSparkSource converts all it
+  // holds in one launch then; rows the target keeps in its tap ring wait for
+  // the next draft or the ring's turn, so an undrafted round launches nothing).
+  virtual void finish_accepts(const TargetResult& /*forward*/) {}
 
   // Proposals for `rows`, each continuing after its `pending` token (the last
   // emitted token, not yet in the target's cache); at most max_tokens[i] each.

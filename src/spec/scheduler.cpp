@@ -1,6 +1,7 @@
 #include "spec/scheduler.h"
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -16,8 +17,12 @@
 
 namespace dspark {
 
-// The longest run of plain rounds between two drafted ones while drafting does not pay.
-constexpr int kMaxUndraftedRounds = 32;
+// The longest run of plain rounds between two drafted ones while drafting
+// does not pay. A probe at one row verifies its drafts, so it costs only
+// what drafting loses on one round; at more rows it verifies none (its
+// draft is pure cost): it looks less often.
+constexpr int kMaxUndraftedRoundsAlone = 32;
+constexpr int kMaxUndraftedRounds = 128;
 constexpr double kOneOffRatio = 4.0;  // observe_round ignores rounds that took longer than this x their prediction
 
 namespace {
@@ -302,7 +307,7 @@ DraftCostProfile measure_draft_cost(Target& target, DraftSource& source, int gam
     target.forward(inputs, request, result);
     for (int r = first; r < last; ++r)
       accept(r, std::span(prompts[r]).first(context - 1), size_t(r - first) * (context - 1));
-    source.finish_accepts();
+    source.finish_accepts(result);
   }
   DraftCostProfile profile;
   std::vector<Proposal> proposals;
@@ -327,7 +332,7 @@ DraftCostProfile measure_draft_cost(Target& target, DraftSource& source, int gam
         accept(r, blocks[r], size_t(r) * kRoundRows);
         pending[r] = blocks[r].back();
       }
-      source.finish_accepts();
+      source.finish_accepts(result);
       source.propose(rows, pending, limits, cpu::SamplingParams{}, proposals);
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (run >= 2) seconds.push_back(elapsed);
@@ -511,6 +516,7 @@ std::vector<int> prefix_schedule(std::span<const std::vector<float>> confidences
 
 int PrefixScheduler::rows_to_draft(std::span<const int> remaining) {
   remaining_.assign(remaining.begin(), remaining.end());
+  probing_ = false;
   const int rows = static_cast<int>(remaining.size());
   // An undrafted round is predicted to cost a plain step; a drafted one's
   // prediction is set by schedule().
@@ -518,11 +524,17 @@ int PrefixScheduler::rows_to_draft(std::span<const int> remaining) {
   drafting_round_ = false;
   timed_ = rows > 0 ? &undrafted_cost_ : nullptr;
   predicted_seconds_ = rows > 0 ? 1.0 / sps_.plain_at(rows) : 0.0;
+  // A batch grown or shrunk past a power of two is a new case (drafting pays
+  // more at fewer rows): a shut gate looks again at once.
+  const int bucket = static_cast<int>(std::bit_ceil(unsigned(std::max(rows, 1))));
+  if (rows_bucket_ != 0 && bucket != rows_bucket_) undrafted_left_ = 0, backoff_ = 1;
+  rows_bucket_ = bucket;
   if (!draft_cost_ || gain_ >= 1.0) return rows;
   if (undrafted_left_ > 0) {
     --undrafted_left_;
     return 0;
   }
+  probing_ = rows > 1;
   return std::min(rows, 1);  // the probe: one row drafts, to look again
 }
 
@@ -593,11 +605,17 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   const double gain = speculative * undrafted_cost_.value / (R * sps_.plain_at(R));
   gain_ = measured_ ? 0.5 * gain_ + 0.5 * gain : gain;
   measured_ = true;
+  // A probe looks and does not verify: its one row's drafts beside R - 1
+  // pending tokens would make the forward ragged, a shape the CUDA target's
+  // captured graphs do not cover (at batch 8 on the H200 the demo target's
+  // eager verify took 0.24-0.29 ms against 0.14 for a replayed step), for at
+  // most a few tokens of one row.
+  if (probing_) std::fill(verify.begin(), verify.end(), 0);
   if (gain_ >= 1.0) {
     backoff_ = 1;
   } else {  // plain rounds for a while, then one row drafts again to look
     undrafted_left_ = backoff_;
-    backoff_ = std::min(2 * backoff_, kMaxUndraftedRounds);
+    backoff_ = std::min(2 * backoff_, R > 1 ? kMaxUndraftedRounds : kMaxUndraftedRoundsAlone);
   }
 }
 

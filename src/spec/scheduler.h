@@ -27,8 +27,10 @@
 // R·τ_b/(1/SPS(B) + D(R)) of a round where all R rows draft over plain
 // decoding's measured R·P(R), and while it is below 1 leaves rounds
 // undrafted (plain steps: each row's pending token alone); after 1, 2, 4, ...
-// 32 of them one row drafts (a probe, scaled to R rows for the estimate: a
-// cheap look where drafting costs per row).
+// 128 of them (32 at one row; at once when R crosses a power of two) one row
+// drafts (a probe, scaled to R rows for the estimate: a cheap look where
+// drafting costs per row). At R > 1 a probe's drafts are not verified: the
+// round stays a plain step, whose shape the CUDA target has captured.
 //
 // The profiles are measured once, apart from real rounds; real rounds may
 // cost more (a round whose rows verify different numbers of drafts cannot
@@ -202,6 +204,7 @@ class PrefixScheduler final : public VerifyScheduler {
   bool measured_ = false;   // gain_ holds a measurement
   int undrafted_left_ = 0;  // plain rounds still to run before the next probe
   int backoff_ = 1;         // plain rounds after the next round that does not pay
+  int rows_bucket_ = 0;     // the batch's rows rounded up to a power of two, at the last decision
   // Measured / predicted time of one kind of round, smoothed (1 before any).
   struct CostRatio {
     double value = 1.0;
@@ -211,6 +214,7 @@ class PrefixScheduler final : public VerifyScheduler {
   CostRatio drafted_cost_, undrafted_cost_;
   CostRatio* timed_ = nullptr;      // what the round being run is timed against (null: it is not)
   double predicted_seconds_ = 0.0;  // the profiles' time for it
+  bool probing_ = false;            // this round is a probe (one of R > 1 rows drafts while the gate is shut)
   bool drafting_round_ = false, after_drafted_round_ = false;  // this round drafts; the one before did
 };
 

@@ -39,6 +39,8 @@ void SpeculativeTiming::add(const SpeculativeTiming& other) {
   draft_seconds += other.draft_seconds;
   verify_seconds += other.verify_seconds;
   accept_seconds += other.accept_seconds;
+  undrafted_rounds += other.undrafted_rounds;
+  undrafted_seconds += other.undrafted_seconds;
 }
 
 uint64_t stream_seed(uint64_t seed, int row, int purpose) {
@@ -129,7 +131,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       accept(int(owners[i]), inputs[i].tokens, row);
       row += inputs[i].tokens.size();
     }
-    source.finish_accepts();
+    source.finish_accepts(step);
   };
   admit(true);
   const auto prefill_done = Clock::now();
@@ -139,6 +141,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   std::vector<int32_t> pending;
   std::vector<Proposal> proposals;
   std::vector<std::vector<int32_t>> blocks;
+  std::vector<int32_t> emitted;
   std::vector<float> target_probs;
   std::vector<int32_t> order;
   while (true) {
@@ -218,14 +221,14 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     // One verify forward: each active request's [pending, drafts...], and a
     // fresh one's prompt but its last token (its one logit row unused).
     inputs.clear();
-    blocks.assign(active.size(), {});
+    blocks.resize(active.size());  // (their storage kept from round to round: no allocation per row)
     for (size_t i = 0; i < active.size(); ++i) {
       Proposal& proposal = proposals[i];
       const Request& request = requests[active[i]];
       if (request.fresh) {
         blocks[i].assign(prompts[active[i]].begin(), prompts[active[i]].end() - 1);
       } else {
-        blocks[i].push_back(pending[i]);
+        blocks[i].assign(1, pending[i]);
         blocks[i].insert(blocks[i].end(), proposal.tokens.begin(), proposal.tokens.end());
       }
       inputs.push_back({request.sequence, blocks[i], !request.fresh});
@@ -275,7 +278,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       stats.accepted += verdict.accepted;
       for (int k = 0; k < n; ++k) ++stats.drafted_at[k];
       for (int k = 0; k < verdict.accepted; ++k) ++stats.accepted_at[k];
-      std::vector<int32_t> emitted(proposal.tokens.begin(), proposal.tokens.begin() + verdict.accepted);
+      emitted.assign(proposal.tokens.begin(), proposal.tokens.begin() + verdict.accepted);
       emitted.push_back(verdict.next);
       for (size_t e = 0; e < emitted.size(); ++e) {  // stop conditions, token by token
         request.result.tokens.push_back(emitted[e]);
@@ -294,7 +297,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
         request.result.trace.push_back({proposal.tokens, proposal.confidence, verdict.accepted, emitted});
       request.pending = verdict.next;
     }
-    source.finish_accepts();  // before the next forward overwrites the taps
+    source.finish_accepts(step);  // before the next forward may overwrite the taps
     // Round times steer the scheduler only at temperature 0: when sampling,
     // its decisions choose which random numbers are drawn, and a seeded run
     // must repeat exactly, which a clock cannot.
@@ -310,7 +313,12 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       ++timing->rounds;
       timing->draft_seconds += std::chrono::duration<double>(verify_start - round_start).count();
       timing->verify_seconds += std::chrono::duration<double>(verify_done - verify_start).count();
-      timing->accept_seconds += std::chrono::duration<double>(Clock::now() - verify_done).count();
+      const auto round_done = Clock::now();
+      timing->accept_seconds += std::chrono::duration<double>(round_done - verify_done).count();
+      if (drafting == 0 && !any_fresh) {
+        ++timing->undrafted_rounds;
+        timing->undrafted_seconds += std::chrono::duration<double>(round_done - round_start).count();
+      }
     }
   }
   for (size_t r = 0; r < admitted; ++r)

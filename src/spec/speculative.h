@@ -70,6 +70,10 @@ struct SpeculativeTiming {
   double draft_seconds = 0.0;   // propose (extending the drafter's context first) and the schedule
   double verify_seconds = 0.0;  // the target's verify forwards
   double accept_seconds = 0.0;  // verdicts, rollbacks, accepts and finish_accepts
+  // Rounds where no row drafted (each row's pending token alone, as a plain
+  // step), and their time: what such a round costs beside a plain step.
+  long undrafted_rounds = 0;
+  double undrafted_seconds = 0.0;
   void add(const SpeculativeTiming& other);
 };
 

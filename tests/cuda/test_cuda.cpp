@@ -573,6 +573,44 @@ TEST_P(CudaGolden, DeviceTapsAreTheHostTapsLeftOnTheDevice) {
   EXPECT_EQ(cpu.taps.size(), host.taps.size());
 }
 
+TEST_P(CudaGolden, DeviceTapsOfSmallStepsOutliveTheNextSixtyThreeSuch) {
+  // A step of at most 64 tokens leaves its taps in the tap ring: intact
+  // through 63 more such steps (numbered one by one), whatever they are;
+  // a larger step's taps last until the next forward and take no number.
+  const std::vector<int> taps = {1, cuda_->config().num_layers};
+  TargetRequest request;
+  request.taps = taps;
+  request.taps_on_device = true;
+  const std::vector<int32_t> first = prompt(0), other = prompt(1);
+  const int kept = cuda_->create_sequence(128), busy = cuda_->create_sequence(256);
+  TargetInput input{kept, first, true};
+  TargetResult result;
+  cuda_->forward({&input, 1}, request, result);
+  ASSERT_NE(result.device_taps, nullptr);
+  ASSERT_EQ(result.device_taps_intact, 63);
+  const long serial = result.device_taps_serial;
+  const float* rows = result.device_taps;
+  std::vector<float> before(first.size() * taps.size() * cuda_->config().hidden_size), after(before.size());
+  CUDA_CHECK(cudaMemcpy(before.data(), rows, before.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  std::vector<int32_t> long_prompt;
+  while (long_prompt.size() <= 64) long_prompt.insert(long_prompt.end(), other.begin(), other.end());
+  TargetInput large{busy, long_prompt, false};
+  cuda_->forward({&large, 1}, request, result);  // more than a ring slot: no number
+  EXPECT_EQ(result.device_taps_intact, 0);
+  cuda_->truncate_sequence(busy, 0);
+  for (int step = 1; step <= 63; ++step) {
+    TargetInput small{busy, std::span(other).first(1 + step % 3), false};
+    cuda_->forward({&small, 1}, request, result);
+    ASSERT_EQ(result.device_taps_serial, serial + step);
+    ASSERT_EQ(result.device_taps_intact, 63);
+    if (step % 20 == 0) cuda_->truncate_sequence(busy, 0);
+  }
+  CUDA_CHECK(cudaMemcpy(after.data(), rows, after.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(after, before);
+  cuda_->release_sequence(kept);
+  cuda_->release_sequence(busy);
+}
+
 TEST_P(CudaGolden, GraphedDecodeMatchesFullForward) {
   const auto ids = prompt(1);
   const TargetResult full = full_forward(*cpu_, ids);

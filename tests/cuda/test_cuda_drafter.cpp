@@ -17,8 +17,8 @@
 #include <tuple>
 #include <type_traits>
 
-#include "device_test_util.h"
 #include "core/dtype.h"
+#include "device_test_util.h"
 #include "golden.h"
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/attention.h"
@@ -39,6 +39,7 @@
 #include "spec/cuda_dspark_source.h"
 #include "spec/draft.h"
 #include "spec/draft_sources.h"
+#include "spec/scheduler.h"
 #include "spec/speculative.h"
 
 namespace dspark {
@@ -883,6 +884,60 @@ TEST_P(CudaDrafting, SpeculativeDecodingWithDeviceTapsEqualsHostTaps) {
   std::printf("[ %s ] %ld rounds, %ld with rejected drafts rolled back, %ld drafted tokens accepted\n",
               GetParam().c_str(), rounds, rollbacks, accepted);
   EXPECT_GT(rollbacks, 0) << "no round rolled a rejected draft back";
+}
+
+// Drafts in the first two rounds of every `period` and leaves the others
+// undrafted (as Alg 1's gate does while drafting does not pay).
+class DraftsNowAndThen final : public VerifyScheduler {
+ public:
+  explicit DraftsNowAndThen(int period) : period_(period) {}
+  int rows_to_draft(std::span<const int> remaining) override {
+    return round_++ % period_ < 2 ? static_cast<int>(remaining.size()) : 0;
+  }
+  void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) override {
+    verify.clear();
+    for (const Proposal& proposal : proposals) verify.push_back(int(proposal.tokens.size()));
+  }
+
+ private:
+  int period_, round_ = 0;
+};
+
+TEST_P(CudaDrafting, DeviceRowsHeldOverUndraftedRoundsEqualHostTaps) {
+  // Undrafted rounds leave their tapped rows in the CUDA target's tap ring
+  // until the next draft (period 20) or until the ring comes round to them
+  // (period 90: 64 forwards); either way every draft equals the one drafted
+  // from host taps, bit for bit.
+  std::vector<std::vector<int32_t>> prompts;
+  const Json forward = testing::golden_reference("qwen3", "forward.json");
+  for (const auto& prompt : forward["prompts"]) prompts.push_back(prompt["ids"].get<std::vector<int32_t>>());
+  CudaDSparkSource device_source(drafter_, *cuda_target_head(*target_));
+  CudaDSparkSource inner(drafter_, *cuda_target_head(*target_));
+  HostTapsSource host_source(inner);
+  SpeculativeOptions options;
+  options.max_new_tokens = 150;
+  options.ignore_eos = true;
+  options.trace = true;
+  options.gamma = 4;
+  for (const int period : {20, 90}) {
+    DraftsNowAndThen device_schedule(period), host_schedule(period);
+    options.scheduler = &device_schedule;
+    const auto on_device = speculative_generate(*target_, device_source, prompts, options);
+    options.scheduler = &host_schedule;
+    const auto on_host = speculative_generate(*target_, host_source, prompts, options);
+    long drafted_rounds = 0;
+    for (size_t r = 0; r < on_host.size(); ++r) {
+      const std::string what = "period " + std::to_string(period) + ", request " + std::to_string(r);
+      EXPECT_EQ(on_device[r].tokens, on_host[r].tokens) << what;
+      ASSERT_EQ(on_device[r].trace.size(), on_host[r].trace.size()) << what;
+      for (size_t k = 0; k < on_host[r].trace.size(); ++k) {
+        EXPECT_EQ(on_device[r].trace[k].draft, on_host[r].trace[k].draft) << what << ", round " << k;
+        EXPECT_EQ(on_device[r].trace[k].confidence, on_host[r].trace[k].confidence) << what << ", round " << k;
+        drafted_rounds += !on_host[r].trace[k].draft.empty();
+      }
+    }
+    EXPECT_GT(drafted_rounds, long(2 * prompts.size())) << "period " << period << ": drafts after undrafted rounds";
+  }
 }
 
 TEST_P(CudaDrafting, ThresholdPruningFollowsTheSourcesSetting) {

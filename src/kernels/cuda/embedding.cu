@@ -21,6 +21,17 @@ __global__ void gather_rows_kernel(bf16* out, const bf16* in, const int32_t* row
   for (int i = threadIdx.x; i < dim; i += blockDim.x) destination[i] = source[i];
 }
 
+__global__ void tap_ring_write_kernel(float* ring, const int32_t* placement, const int32_t* source_rows,
+                                      const float* taps, int max_rows, int width) {
+  wait_for_previous_kernel();
+  start_next_kernel();
+  const int first = placement[0], count = placement[1];
+  if (count > max_rows || int(blockIdx.x) >= count) return;
+  const float* source = taps + static_cast<long>(source_rows ? source_rows[blockIdx.x] : blockIdx.x) * width;
+  float* destination = ring + (static_cast<long>(first) + blockIdx.x) * width;
+  for (int i = threadIdx.x; i < width; i += blockDim.x) destination[i] = source[i];
+}
+
 }  // namespace
 
 void embedding_forward(float* out, const bf16* table, const int32_t* ids, int rows, int dim,
@@ -32,6 +43,14 @@ void embedding_forward(float* out, const bf16* table, const int32_t* ids, int ro
 void gather_rows_forward(bf16* out, const bf16* in, const int32_t* rows, int count, int dim,
                          cudaStream_t stream) {
   launch_dependent(gather_rows_kernel, count, 256, 0, stream, out, in, rows, dim);
+  CUDA_CHECK_LAUNCH();
+}
+
+void tap_ring_write_forward(float* ring, const int32_t* placement, const int32_t* source_rows, const float* taps,
+                            int max_rows, int width, cudaStream_t stream) {
+  if (max_rows <= 0) return;
+  launch_dependent(tap_ring_write_kernel, max_rows, 256, 0, stream, ring, placement, source_rows, taps, max_rows,
+                   width);
   CUDA_CHECK_LAUNCH();
 }
 

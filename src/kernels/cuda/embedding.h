@@ -15,6 +15,14 @@ void embedding_forward(float* out, const __nv_bfloat16* table, const int32_t* id
 void gather_rows_forward(__nv_bfloat16* out, const __nv_bfloat16* in, const int32_t* rows, int count,
                          int dim, cudaStream_t stream);
 
+// A step's tapped rows into a ring of rows that outlives the step (a CUDA
+// graph replays this with placement read at run time): with placement =
+// {first, count} in device memory, ring row first + i = taps[source_rows[i]]
+// (taps[i] when source_rows is null) for i < count, width f32 each. The
+// launch covers max_rows rows; a count above it, or of 0, writes nothing.
+void tap_ring_write_forward(float* ring, const int32_t* placement, const int32_t* source_rows, const float* taps,
+                            int max_rows, int width, cudaStream_t stream);
+
 // ---- training ----
 
 // out [rows, dim] = table[ids[r]] with an f32 table [vocab, dim] (a drafter's own lookup table;
