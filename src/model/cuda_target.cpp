@@ -453,6 +453,7 @@ void CudaTarget::forward(std::span<const TargetInput> inputs, const TargetReques
       result.logits.insert(result.logits.end(), part.logits.begin(), part.logits.end());
       result.taps.insert(result.taps.end(), part.taps.begin(), part.taps.end());
     }
+    result.device_taps_serial = tap_ring_serial_;  // host taps, device_taps_intact 0: nothing of it stays
     return;
   }
   forward_chunk(inputs, request, result);

@@ -214,6 +214,11 @@ void CudaDrafter::release_context(int id) {
   context(id);
   wait_for_extend_staging();  // an extension pass in flight may still write into it
   contexts_.erase(id);
+  if (contexts_.empty()) {  // rows still held (of ended requests) are no one's: do not read them later
+    pending_sources_.clear();
+    pending_serial_ = -1;
+    device_staged_rows_ = 0;
+  }
 }
 
 int CudaDrafter::context_length(int id) const {
