@@ -196,8 +196,7 @@ class CudaTarget final : public Target {
   DeviceBuffer<uint32_t> metadata_;
   DeviceBuffer<float> residual_, logits_, nll_, taps_, partial_out_, partial_lse_;
   DeviceBuffer<float> packed_taps_;  // a padded step's taps, its real rows only
-  DeviceBuffer<float> tap_ring_;     // [kTapRingSlots * kTapRingSlotRows, tap width]
-  long tap_ring_width_ = 0;          // its rows' width (m * H), 0 before the first tapped step
+  DeviceBuffer<float> tap_ring_;     // [kTapRingSlots * kTapRingSlotRows, tap width] (empty before a tapped step)
   long tap_ring_serial_ = 0;         // tapped steps that used the ring so far (their slot: serial mod slots)
   DeviceBuffer<bf16> normed_, qkv_, queries_, attention_, projected_, gate_up_, activated_, head_input_;
   DeviceBuffer<unsigned> norm_counter_;  // the fused GEMV + norm's block count, 0 between launches
@@ -369,12 +368,15 @@ void CudaTarget::ensure_blocks(SequenceState& sequence, int length) {
                              cudaMemcpyHostToDevice, stream_));
 }
 
+// A buffer's new size when `needed` exceeds `current`: grown by half at
+// least, since every growth drops the captured graphs, and a run's prefills of
+// a few hundred tokens more each time (a benchmark's batches, a server's)
+// would otherwise drop them at each new maximum.
+long grown_size(long needed, long current) { return std::max(needed, current + current / 2); }
+
 void CudaTarget::ensure_capacity(long tokens, long sequences) {
   if (tokens <= max_tokens_ && sequences <= max_sequences_) return;
-  // Grown by half at least: every growth drops the captured graphs, and a
-  // run's prefills of a few hundred tokens more each time (a benchmark's
-  // batches, a server's) would otherwise drop them at each new maximum.
-  if (tokens > max_tokens_) max_tokens_ = std::max(tokens, max_tokens_ + max_tokens_ / 2);
+  if (tokens > max_tokens_) max_tokens_ = grown_size(tokens, max_tokens_);
   max_sequences_ = std::max(sequences, max_sequences_);
   const ModelConfig& c = config_;
   const long T = max_tokens_, H = c.hidden_size, q_size = long(c.num_heads) * c.head_dim;
@@ -416,7 +418,7 @@ void CudaTarget::ensure_split_capacity(long splits, long tokens) {
   const ModelConfig& c = config_;
   const long row_heads = splits * tokens * c.num_heads;
   if (splits <= 1 || long(partial_lse_.size()) >= row_heads) return;
-  const long capacity = std::max<long>(row_heads, partial_lse_.size() + partial_lse_.size() / 2);  // as ensure_capacity
+  const long capacity = grown_size(row_heads, long(partial_lse_.size()));
   partial_out_.resize(capacity * c.head_dim);
   partial_lse_.resize(capacity);
   forget_graphs();  // they point at the old buffers
@@ -575,9 +577,9 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
   // draft source reads a target's taps at a time).
   const long tap_width = long(request.taps.size()) * c.hidden_size;
   const bool ring = tap_width > 0 && real_tokens <= kTapRingSlotRows;
-  if (tap_width > 0 && tap_width != tap_ring_width_) {
-    tap_ring_.resize(size_t(kTapRingSlots) * kTapRingSlotRows * tap_width);
-    tap_ring_width_ = tap_width;
+  const size_t ring_values = size_t(kTapRingSlots) * kTapRingSlotRows * tap_width;
+  if (tap_width > 0 && tap_ring_.size() != ring_values) {
+    tap_ring_.resize(ring_values);
     tap_ring_serial_ += kTapRingSlots;
     forget_graphs();
   }
@@ -738,7 +740,8 @@ void CudaTarget::run_step(const StepShape& shape, std::span<const int> taps, boo
   p.mark("token selection", s);
   if (score) cuda::token_nll_forward(nll_.data(), logits_.data(), meta + layout_.score_tokens, shape.logit_rows, V, s);
   // The tapped rows into the tap ring, where the step's placement says (a step
-  // of more tokens than a slot holds writes none); last, off the token's path.
+  // of more tokens than a slot holds writes none); last, after the token's
+  // selection (the step's result still waits for it: ~1-2 us).
   if (m > 0)
     cuda::tap_ring_write_forward(tap_ring_.data(), meta + layout_.tap_ring,
                                  shape.padded ? meta + layout_.tap_rows : nullptr, taps_.data(),
