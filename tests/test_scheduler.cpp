@@ -25,6 +25,24 @@ using testing::TemporaryDirectory;
 // A profile from (B, SPS) pairs.
 SpsProfile profile(std::vector<int> tokens, std::vector<double> rates) { return {std::move(tokens), std::move(rates)}; }
 
+// A round's outlook (rows_to_draft's argument) for requests 0..R-1 with these
+// remaining lengths, `waiting` requests waiting for a place, and `admitted`
+// requests taken in this round with `admitted_tokens` prompt tokens.
+struct Outlook {
+  std::vector<int> rows, remaining;
+  int waiting = 0, admitted = 0, admitted_tokens = 0;
+  explicit Outlook(std::vector<int> remaining_lengths, int waiting_requests = 0, int admitted_requests = 0,
+                   int admitted_prompt_tokens = 0)
+      : rows(remaining_lengths.size()),
+        remaining(std::move(remaining_lengths)),
+        waiting(waiting_requests),
+        admitted(admitted_requests),
+        admitted_tokens(admitted_prompt_tokens) {
+    for (size_t r = 0; r < rows.size(); ++r) rows[r] = int(r);
+  }
+  operator RoundOutlook() const { return {rows, remaining, waiting, admitted, admitted_tokens}; }
+};
+
 TEST(SpsProfile, InterpolatesStepTimeAndExtrapolatesPastTheLastPoint) {
   // Step times 10 ms at B = 1, 20 ms at B = 5, 30 ms at B = 9.
   const SpsProfile sps = profile({1, 5, 9}, {100.0, 50.0, 1000.0 / 30});
@@ -141,7 +159,7 @@ TEST(DraftCostProfile, InterpolatesAndScalesPerRowPastTheLastPoint) {
 // not; with seconds_for, each round is then observed to take seconds_for(drafted).
 std::string gate_pattern(PrefixScheduler& scheduler, int rounds, const std::vector<Proposal>& first,
                          const std::vector<Proposal>& later, const std::function<double(bool)>& seconds_for = {}) {
-  const std::vector<int> one = {64};  // rows_to_draft's argument: tokens the row may still emit
+  const Outlook one({64});  // one row that may still emit 64 tokens
   std::vector<int> verify;
   std::string pattern;
   for (int round = 0; round < rounds; ++round) {
@@ -159,7 +177,7 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
   good[0].tokens = {1, 2}, good[0].confidence = {0.9f, 0.9f};  // τ* = 2.71 at B = 3
   poor[0].tokens = {1}, poor[0].confidence = {0.05f};          // τ* = 1.05 at B = 2
   std::vector<int> verify;
-  const std::vector<int> one = {64};  // rows_to_draft's argument: tokens each row may still emit
+  const Outlook one({64});  // one row that may still emit 64 tokens
   // Cheap drafting (1 ms): 2.71 / 11 ms = 246 tokens/s, gain 2.46: every round drafts.
   PrefixScheduler cheap(flat, DraftCostProfile{{1}, {0.001}});
   for (int round = 0; round < 6; ++round) {
@@ -184,7 +202,7 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
   probe[0] = good[0];
   std::vector<int> drafting;
   for (int round = 0; round < 6; ++round) {
-    drafting.push_back(batch.rows_to_draft(std::vector<int>(4, 64)));
+    drafting.push_back(batch.rows_to_draft(Outlook(std::vector<int>(4, 64))));
     if (drafting.back() == 4) batch.schedule(four, verify);
     if (drafting.back() == 1) {
       batch.schedule(probe, verify);
@@ -193,13 +211,13 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
   }
   EXPECT_EQ(drafting, (std::vector<int>{4, 0, 1, 0, 0, 1}));
   EXPECT_NEAR(batch.gain(), (4 + 4 * 1.71) / (0.01 + 0.4) / 400, 1e-6);  // D(4) = 4 x 100 ms past the last point
-  // The runs of plain rounds stop growing at 128; a batch that shrinks past
+  // The runs of plain rounds stop growing at 512; a batch that shrinks past
   // a power of two (four rows to two) is looked at again at once.
   PrefixScheduler shut(flat, DraftCostProfile{{1}, {0.1}});
   std::string runs;
   int plain_run = 0;
-  for (int round = 0; round < 700; ++round) {
-    if (shut.rows_to_draft(std::vector<int>(4, 64)) == 0) {
+  for (int round = 0; round < 1600; ++round) {
+    if (shut.rows_to_draft(Outlook(std::vector<int>(4, 64))) == 0) {
       ++plain_run;
       continue;
     }
@@ -207,10 +225,17 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
     if (plain_run > 0) runs += std::to_string(plain_run) + " ";
     plain_run = 0;
   }
-  EXPECT_EQ(runs, "1 2 4 8 16 32 64 128 128 128 128 ");
-  EXPECT_EQ(plain_run, 700 - 639 - 12);                       // into the next run of 128
-  EXPECT_EQ(shut.rows_to_draft(std::vector<int>(3, 64)), 0);  // 3 rows: the same power of two
-  EXPECT_EQ(shut.rows_to_draft(std::vector<int>(2, 64)), 1);
+  EXPECT_EQ(runs, "1 2 4 8 16 32 64 128 256 512 512 ");
+  EXPECT_EQ(plain_run, 1600 - 1535 - 12);                              // into the next run of 512
+  EXPECT_EQ(shut.rows_to_draft(Outlook(std::vector<int>(3, 64))), 0);  // 3 rows: the same power of two
+  // Two rows beside two requests admitted this round: still a batch of four.
+  EXPECT_EQ(shut.rows_to_draft(Outlook(std::vector<int>(2, 64), 10, 2)), 0);
+  EXPECT_EQ(shut.rows_to_draft(Outlook(std::vector<int>(2, 64))), 1);
+  // Back at four rows the gate resumes its run of plain rounds (a probe
+  // comes after 1600 - 1535 - 12 + 2 = 55 of its 512, not at once).
+  shut.schedule(probe, verify);
+  for (int round = 0; round < 512 - 55; ++round) ASSERT_EQ(shut.rows_to_draft(Outlook(std::vector<int>(4, 64))), 0);
+  EXPECT_EQ(shut.rows_to_draft(Outlook(std::vector<int>(4, 64))), 1);
   // Without a draft cost profile the gate never closes (Alg 1 alone).
   PrefixScheduler alone(flat);
   for (int round = 0; round < 4; ++round) {
@@ -228,7 +253,7 @@ TEST(PrefixScheduler, GateScalesItsEstimateByTimedRounds) {
   std::vector<Proposal> good(1);
   good[0].tokens = {1, 2}, good[0].confidence = {0.9f, 0.9f};
   const double e_good = 1 + 0.9f + double(0.9f) * 0.9f;  // tokens a good round is expected to emit
-  const std::vector<int> one = {64};
+  const Outlook one({64});
   std::vector<int> verify;
   // The profiles predict 10 + 1 ms a round (gain 2.46); each drafted round takes 40 ms.
   PrefixScheduler slow(flat, DraftCostProfile{{1}, {0.001}});
@@ -259,6 +284,29 @@ TEST(PrefixScheduler, GateScalesItsEstimateByTimedRounds) {
   }
   const double against_timed = e_good / 0.030 / (1 / 0.020), untimed = e_good / 0.011 / (1 / 0.020);
   EXPECT_NEAR(dear_plain.gain(), against_timed + (untimed - against_timed) / 64, 1e-6);
+  // A drafted round that also takes in a new request's prompt (continuous
+  // batching) is timed against its prediction plus those tokens' cost:
+  // SPS(B) here is 10 ms + 0.1 ms a token, so 20 riding tokens add 2 ms to
+  // the 10.2 + 1 ms of a one-row round verifying two drafts. An undrafted
+  // round that admits is not timed at all.
+  const SpsProfile sloped = profile({1, 1001}, {100.0, 1.0 / (0.01 + 1000 * 0.0001)});
+  const double g0 = e_good / (0.0102 + 0.001) / 100;  // the untimed gain
+  auto admitting = [&](double drafted_seconds, double undrafted_seconds) {
+    PrefixScheduler scheduler(sloped, DraftCostProfile{{1}, {0.001}});
+    EXPECT_EQ(scheduler.rows_to_draft(Outlook({64})), 1);
+    scheduler.schedule(good, verify);  // (untimed: no drafted round before it)
+    scheduler.observe_round(1.0);
+    EXPECT_EQ(scheduler.rows_to_draft(Outlook({61}, 5, 1, 20)), 1);
+    scheduler.schedule(good, verify);
+    scheduler.observe_round(drafted_seconds);
+    EXPECT_EQ(scheduler.rows_to_draft(Outlook({58}, 4, 1, 30)), 1);
+    scheduler.observe_round(undrafted_seconds);  // undrafted (schedule() not called)
+    EXPECT_EQ(scheduler.rows_to_draft(Outlook({57})), 1);
+    scheduler.schedule(good, verify);
+    return scheduler.gain();
+  };
+  EXPECT_NEAR(admitting(0.0132, 0.02), g0, 1e-6);                       // as predicted: the gain stays
+  EXPECT_NEAR(admitting(0.0264, 0.02), 0.5 * g0 + 0.5 * g0 / 2, 1e-6);  // twice that: drafting costs 2x
 }
 
 // A batch runs until its last row is done, so the gate's estimate follows
@@ -275,18 +323,74 @@ TEST(PrefixScheduler, GainFollowsTheRowThatHoldsTheBatch) {
   const double seconds = 0.01 + 0.001;  // a flat 10 ms forward + D(2) = 2 x 0.5 ms past the last point
   std::vector<int> verify;
   PrefixScheduler even_lengths(flat, DraftCostProfile{{1}, {0.0005}});
-  ASSERT_EQ(even_lengths.rows_to_draft(std::vector<int>{64, 64}), 2);
+  ASSERT_EQ(even_lengths.rows_to_draft(Outlook({64, 64})), 2);
   even_lengths.schedule(round, verify);
   EXPECT_EQ(verify, (std::vector<int>{2, 1}));
   EXPECT_NEAR(even_lengths.gain(), 2 * e_poor / seconds / 200, 1e-6);
   PrefixScheduler poor_nearly_done(flat, DraftCostProfile{{1}, {0.0005}});
-  ASSERT_EQ(poor_nearly_done.rows_to_draft(std::vector<int>{64, 2}), 2);
+  ASSERT_EQ(poor_nearly_done.rows_to_draft(Outlook({64, 2})), 2);
   poor_nearly_done.schedule(round, verify);
   EXPECT_NEAR(poor_nearly_done.gain(), 2 * e_good / seconds / 200, 1e-6);
   // Without remaining lengths (schedule() alone) every row counts alike: the slowest sets the pace.
   PrefixScheduler no_lengths(flat, DraftCostProfile{{1}, {0.0005}});
   no_lengths.schedule(round, verify);
   EXPECT_NEAR(no_lengths.gain(), 2 * e_poor / seconds / 200, 1e-6);
+  // While requests wait for a place (continuous batching) a finished row is
+  // replaced at once: the batch progresses by its rows' total, e_good + e_poor.
+  PrefixScheduler replaced(flat, DraftCostProfile{{1}, {0.0005}});
+  ASSERT_EQ(replaced.rows_to_draft(Outlook({64, 64}, /*waiting=*/3)), 2);
+  replaced.schedule(round, verify);
+  EXPECT_NEAR(replaced.gain(), (e_good + e_poor) / seconds / 200, 1e-6);
+  // A probe's one row stands for all of them.
+  PrefixScheduler replaced_probe(flat, DraftCostProfile{{1}, {0.0005}});
+  ASSERT_EQ(replaced_probe.rows_to_draft(Outlook({64, 64}, 3)), 2);
+  replaced_probe.schedule(std::vector<Proposal>{good, Proposal{}}, verify);
+  EXPECT_NEAR(replaced_probe.gain(), 2 * e_good / (0.01 + 0.001) / 200, 1e-6);
+}
+
+// The slowest row is judged by its pace over the rounds it drafted, not by
+// one round's confidences: two rows that take turns at a good and a poor
+// round each emit (e_good + e_poor) / 2 a round on average, and the batch
+// finishes at that pace, where the slower of each round alone says e_poor.
+TEST(PrefixScheduler, SlowestRowIsJudgedByItsSmoothedPace) {
+  const SpsProfile flat = profile({1, 1000}, {100.0, 100.0});
+  Proposal good, poor;
+  good.tokens = {1, 2}, good.confidence = {0.9f, 0.9f};
+  poor.tokens = {1}, poor.confidence = {0.05f};
+  const double e_good = 1 + 0.9f + double(0.9f) * 0.9f, e_poor = 1 + double(0.05f);
+  const double seconds = 0.01 + 0.0002;  // D(2) = 2 x 0.1 ms: drafting pays even at e_poor
+  auto gain_of = [&](double expected) { return 2 * expected / seconds / 200; };
+  std::vector<int> verify;
+  PrefixScheduler turns(flat, DraftCostProfile{{1}, {0.0001}});
+  ASSERT_EQ(turns.rows_to_draft(Outlook({64, 64})), 2);
+  turns.schedule(std::vector<Proposal>{good, poor}, verify);
+  EXPECT_NEAR(turns.gain(), gain_of(e_poor), 1e-6);  // nothing to smooth yet
+  ASSERT_EQ(turns.rows_to_draft(Outlook({60, 62})), 2);
+  turns.schedule(std::vector<Proposal>{poor, good}, verify);
+  const double paced = (e_good + e_poor) / 2;  // each row's smoothed e_r
+  EXPECT_NEAR(turns.gain(), 0.5 * gain_of(e_poor) + 0.5 * gain_of(paced), 1e-6);
+  // A probe's one row stands for the slowest of both by the share the
+  // slowest took of the rows' mean pace where both drafted.
+  PrefixScheduler probed(flat, DraftCostProfile{{1}, {0.0001}});
+  ASSERT_EQ(probed.rows_to_draft(Outlook({64, 64})), 2);
+  probed.schedule(std::vector<Proposal>{good, poor}, verify);
+  const double share = e_poor / ((e_good + e_poor) / 2);
+  ASSERT_EQ(probed.rows_to_draft(Outlook({63, 63})), 2);
+  probed.schedule(std::vector<Proposal>{good, Proposal{}}, verify);
+  EXPECT_NEAR(probed.gain(), 0.5 * gain_of(e_poor) + 0.5 * gain_of(e_good * share), 1e-6);
+  // At four rows, where no round has had every row draft yet, the share
+  // measured at two stands in (the slowest of more rows is slower still).
+  const double before = probed.gain();
+  ASSERT_EQ(probed.rows_to_draft(Outlook(std::vector<int>(4, 62))), 4);
+  probed.schedule(std::vector<Proposal>{good, Proposal{}, Proposal{}, Proposal{}}, verify);
+  EXPECT_NEAR(probed.gain(), 0.5 * before + 0.5 * e_good * share / (0.01 + 0.0004) / 100, 1e-6);
+  // A request that starts under a row's id (a longer remaining length) starts its pace afresh.
+  PrefixScheduler reused(flat, DraftCostProfile{{1}, {0.0001}});
+  ASSERT_EQ(reused.rows_to_draft(Outlook({4, 4})), 2);
+  reused.schedule(std::vector<Proposal>{good, good}, verify);
+  ASSERT_EQ(reused.rows_to_draft(Outlook({64, 64})), 2);
+  reused.schedule(std::vector<Proposal>{poor, poor}, verify);
+  EXPECT_NEAR(reused.gain(), 0.5 * gain_of(e_good) + 0.5 * gain_of(e_poor), 1e-6);
 }
 
 TEST(DraftCostProfile, MeasuredForTheSourceAndCachedBesideSps) {

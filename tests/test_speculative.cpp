@@ -770,15 +770,20 @@ TEST(SchedulerEarlyStop, TokenDependentAdmissionBiasesTheOutputAndAlg1DoesNot) {
 // Records what the engine tells a scheduler before each round.
 class RemainingRecorder final : public VerifyScheduler {
  public:
-  int rows_to_draft(std::span<const int> remaining) override {
-    calls.emplace_back(remaining.begin(), remaining.end());
-    return static_cast<int>(remaining.size());
+  int rows_to_draft(const RoundOutlook& outlook) override {
+    calls.emplace_back(outlook.remaining.begin(), outlook.remaining.end());
+    rows.emplace_back(outlook.rows.begin(), outlook.rows.end());
+    waiting.push_back(outlook.waiting);
+    admitted.push_back(outlook.admitted);
+    admitted_tokens.push_back(outlook.admitted_tokens);
+    return static_cast<int>(outlook.remaining.size());
   }
   void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) override {
     verify.clear();
     for (const Proposal& proposal : proposals) verify.push_back(int(proposal.tokens.size()));
   }
-  std::vector<std::vector<int>> calls;
+  std::vector<std::vector<int>> calls, rows;  // per round, each row's remaining length and request
+  std::vector<int> waiting, admitted, admitted_tokens;
 };
 
 // rows_to_draft hears, per active row in order, the tokens it may still emit:
@@ -796,20 +801,65 @@ TEST(SpeculativeEngine, TellsTheSchedulerEachRowsRemainingLength) {
   RemainingRecorder recorder;
   options.scheduler = &recorder;
   const auto results = speculative_generate(target, source, prompts, options);
-  std::vector<std::vector<int>> expected;  // per round, the rows still running
+  std::vector<std::vector<int>> expected, expected_rows;  // per round, the rows still running and their requests
   std::vector<int> emitted(prompts.size(), 0);
   for (size_t round = 0;; ++round) {
-    std::vector<int> left;
+    std::vector<int> left, running;
     for (size_t r = 0; r < prompts.size(); ++r)
       if (round < results[r].trace.size()) {
         left.push_back(options.max_new_tokens - emitted[r]);
+        running.push_back(int(r));
         emitted[r] += int(results[r].trace[round].emitted.size());
       }
     if (left.empty()) break;
     expected.push_back(left);
+    expected_rows.push_back(running);
   }
   EXPECT_EQ(recorder.calls, expected);
+  EXPECT_EQ(recorder.rows, expected_rows);
+  EXPECT_EQ(recorder.waiting, std::vector<int>(expected.size(), 0));  // both requests run from the start
+  EXPECT_EQ(recorder.admitted, std::vector<int>(expected.size(), 0));
   EXPECT_GT(expected.size(), 1u);
+}
+
+// Under continuous batching the outlook names each row's request and counts
+// the requests still waiting for a place; a request admitted in a round
+// (its prompt riding in that round's forward) joins the outlook the round after.
+TEST(SpeculativeEngine, TellsTheSchedulerWhichRequestsRunAndHowManyWait) {
+  const Transformer model = tiny_target(7);
+  CpuTarget target(model);
+  NgramSource source;
+  const std::vector<std::vector<int32_t>> prompts = {{1, 4, 2, 1}, {3, 5, 3}, {2, 2}};
+  SpeculativeOptions options;
+  options.max_new_tokens = 6;
+  options.gamma = 2;
+  options.ignore_eos = true;
+  options.trace = true;
+  options.max_active = 2;
+  RemainingRecorder recorder;
+  options.scheduler = &recorder;
+  const auto results = speculative_generate(target, source, prompts, options);
+  ASSERT_FALSE(recorder.rows.empty());
+  EXPECT_EQ(recorder.rows[0], (std::vector<int>{0, 1}));
+  EXPECT_EQ(recorder.waiting[0], 1);
+  // Request 2 is admitted in the round after the first of 0 and 1 finishes,
+  // and drafts (is in the outlook) from the round after that, nothing waiting then.
+  size_t admitted_round = 0;
+  while (admitted_round < recorder.rows.size() && recorder.waiting[admitted_round] == 1) ++admitted_round;
+  ASSERT_LT(admitted_round, recorder.rows.size());
+  const size_t first_done = std::min(results[0].trace.size(), results[1].trace.size());
+  EXPECT_EQ(admitted_round, first_done);
+  auto runs = [&](size_t round, int request) {
+    return std::find(recorder.rows[round].begin(), recorder.rows[round].end(), request) != recorder.rows[round].end();
+  };
+  EXPECT_FALSE(runs(admitted_round, 2));  // the fresh request is not in its first round's outlook ...
+  ASSERT_LT(admitted_round + 1, recorder.rows.size());
+  EXPECT_TRUE(runs(admitted_round + 1, 2));  // ... but in the next one's
+  for (size_t round = admitted_round; round < recorder.rows.size(); ++round) EXPECT_EQ(recorder.waiting[round], 0);
+  for (size_t round = 0; round < recorder.rows.size(); ++round)  // the round that took request 2 in says so
+    EXPECT_EQ(recorder.admitted[round], round == admitted_round ? 1 : 0) << round;
+  EXPECT_EQ(recorder.admitted_tokens[admitted_round], 1);  // request 2's prompt but its last token
+  for (const SpeculativeResult& result : results) EXPECT_EQ(result.tokens.size(), 6u);
 }
 
 TEST(Acceptance, GreedyKeepsTheMatchingPrefix) {

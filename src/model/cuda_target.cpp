@@ -171,6 +171,10 @@ class CudaTarget final : public Target {
   ModelConfig config_;
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
+  // A step's copy into the tap ring runs beside its LM head (run_step), on a
+  // stream of its own that forks from stream_ and joins it again.
+  cudaStream_t ring_stream_ = nullptr;
+  cudaEvent_t taps_written_ = nullptr, ring_written_ = nullptr;
   int qkv_width_ = 0;  // (nh + 2 nkv) * hd
 
   DeviceBuffer<bf16> embed_tokens_, lm_head_storage_;
@@ -216,6 +220,9 @@ CudaTarget::CudaTarget(const std::filesystem::path& directory) {
   const ModelConfig& c = config_;
   CUDA_CHECK(cudaGetDevice(&device_));
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaStreamCreateWithFlags(&ring_stream_, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaEventCreateWithFlags(&taps_written_, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventCreateWithFlags(&ring_written_, cudaEventDisableTiming));
   DSPARK_CHECK(c.head_dim == 16 || c.head_dim == 32 || c.head_dim == 64 || c.head_dim == 128,
                "--device cuda: head_dim ", c.head_dim, " is not supported (16, 32, 64, 128)");
 
@@ -312,6 +319,9 @@ CudaTarget::CudaTarget(const std::filesystem::path& directory) {
 
 CudaTarget::~CudaTarget() {
   for (auto& [shape, graph] : graphs_) cudaGraphExecDestroy(graph);
+  if (taps_written_) cudaEventDestroy(taps_written_);
+  if (ring_written_) cudaEventDestroy(ring_written_);
+  if (ring_stream_) cudaStreamDestroy(ring_stream_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -725,6 +735,19 @@ void CudaTarget::run_step(const StepShape& shape, std::span<const int> taps, boo
                                           H, mlp_norm, s);
     p.mark("down gemm+add+norm", s);
   }
+  // The tapped rows into the tap ring, where the step's placement says (a
+  // step of more tokens than a slot holds writes none): every tap is written
+  // by now, and the copy runs beside the LM head and the token's selection
+  // (on the demo target the step's result waited ~1-2 us for it when it came
+  // after them). The step ends when both are done.
+  if (m > 0) {
+    CUDA_CHECK(cudaEventRecord(taps_written_, s));
+    CUDA_CHECK(cudaStreamWaitEvent(ring_stream_, taps_written_, 0));
+    cuda::tap_ring_write_forward(tap_ring_.data(), meta + layout_.tap_ring,
+                                 shape.padded ? meta + layout_.tap_rows : nullptr, taps_.data(),
+                                 std::min(T, kTapRingSlotRows), static_cast<int>(tap_stride), ring_stream_);
+    CUDA_CHECK(cudaEventRecord(ring_written_, ring_stream_));
+  }
   const bf16* head_input = normed_.data();
   if (shape.logit_rows != T || shape.padded) {  // not every row in order: gather the listed ones
     cuda::gather_rows_forward(head_input_.data(), normed_.data(), meta + layout_.logit_rows, shape.logit_rows, H, s);
@@ -739,13 +762,7 @@ void CudaTarget::run_step(const StepShape& shape, std::span<const int> taps, boo
                               shape.logit_rows, V, s);
   p.mark("token selection", s);
   if (score) cuda::token_nll_forward(nll_.data(), logits_.data(), meta + layout_.score_tokens, shape.logit_rows, V, s);
-  // The tapped rows into the tap ring, where the step's placement says (a step
-  // of more tokens than a slot holds writes none); last, after the token's
-  // selection (the step's result still waits for it: ~1-2 us).
-  if (m > 0)
-    cuda::tap_ring_write_forward(tap_ring_.data(), meta + layout_.tap_ring,
-                                 shape.padded ? meta + layout_.tap_rows : nullptr, taps_.data(),
-                                 std::min(T, kTapRingSlotRows), static_cast<int>(tap_stride), s);
+  if (m > 0) CUDA_CHECK(cudaStreamWaitEvent(s, ring_written_, 0));  // the ring's copy joins the step
 }
 
 }  // namespace

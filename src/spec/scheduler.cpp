@@ -20,9 +20,11 @@ namespace dspark {
 // The longest run of plain rounds between two drafted ones while drafting
 // does not pay. A probe at one row verifies its drafts, so it costs only
 // what drafting loses on one round; at more rows it verifies none (its
-// draft is pure cost): it looks less often.
+// draft is pure cost, with its row's staged context rows projected first:
+// 0.3-0.5 ms on the H200 at batch 4, two to three plain steps), so it looks
+// less often (once in 128 rounds cost that batch 3% of its time).
 constexpr int kMaxUndraftedRoundsAlone = 32;
-constexpr int kMaxUndraftedRounds = 128;
+constexpr int kMaxUndraftedRounds = 512;
 constexpr double kOneOffRatio = 4.0;  // observe_round ignores rounds that took longer than this x their prediction
 
 namespace {
@@ -514,37 +516,65 @@ std::vector<int> prefix_schedule(std::span<const std::vector<float>> confidences
   return verify;
 }
 
-int PrefixScheduler::rows_to_draft(std::span<const int> remaining) {
-  remaining_.assign(remaining.begin(), remaining.end());
+int PrefixScheduler::rows_to_draft(const RoundOutlook& outlook) {
+  DSPARK_CHECK(outlook.rows.size() == outlook.remaining.size(), "prefix scheduler: ", outlook.rows.size(),
+               " rows with ", outlook.remaining.size(), " remaining lengths");
+  rows_.assign(outlook.rows.begin(), outlook.rows.end());
+  remaining_.assign(outlook.remaining.begin(), outlook.remaining.end());
+  waiting_ = outlook.waiting;
+  // Paces of requests no longer running go (a server's ids never come back).
+  if (paces_.size() > 2 * rows_.size() + 16) {
+    std::unordered_map<int, RowPace> kept;
+    for (int row : rows_)
+      if (auto found = paces_.find(row); found != paces_.end()) kept.insert(*found);
+    paces_ = std::move(kept);
+  }
   probing_ = false;
-  const int rows = static_cast<int>(remaining.size());
-  // An undrafted round is predicted to cost a plain step; a drafted one's
-  // prediction is set by schedule().
+  const int rows = static_cast<int>(remaining_.size());
+  // An undrafted round is predicted to cost a plain step (one that admits
+  // requests is not timed: scheduler.h); a drafted one's prediction is set by
+  // schedule().
   after_drafted_round_ = drafting_round_;
   drafting_round_ = false;
-  timed_ = rows > 0 ? &undrafted_cost_ : nullptr;
+  admitted_tokens_ = outlook.admitted_tokens;
+  timed_ = rows > 0 && admitted_tokens_ == 0 ? &undrafted_cost_ : nullptr;
   predicted_seconds_ = rows > 0 ? 1.0 / sps_.plain_at(rows) : 0.0;
-  // A batch grown or shrunk past a power of two is a new case (drafting pays
-  // more at fewer rows): a shut gate looks again at once.
-  const int bucket = static_cast<int>(std::bit_ceil(unsigned(std::max(rows, 1))));
-  if (rows_bucket_ != 0 && bucket != rows_bucket_) undrafted_left_ = 0, backoff_ = 1;
-  rows_bucket_ = bucket;
-  if (!draft_cost_ || gain_ >= 1.0) return rows;
-  if (undrafted_left_ > 0) {
-    --undrafted_left_;
+  // (Requests admitted this round count: under continuous batching a wave of
+  // rows that finish together is replaced at once, not a smaller batch.)
+  enter_gate(rows + outlook.admitted);
+  if (!draft_cost_ || gate_->gain >= 1.0) return rows;
+  if (gate_->undrafted_left > 0) {
+    --gate_->undrafted_left;
     return 0;
   }
   probing_ = rows > 1;
   return std::min(rows, 1);  // the probe: one row drafts, to look again
 }
 
-void PrefixScheduler::CostRatio::add(double ratio) {
+void PrefixScheduler::enter_gate(int rows) {
+  rows_bucket_ = static_cast<int>(std::bit_ceil(unsigned(std::max(rows, 1))));
+  auto [gate, first] = gates_.try_emplace(rows_bucket_);
+  // A batch size not seen before starts from the gain of the one the batch
+  // comes from, and looks at once: a probe if that gate is shut.
+  if (first && gate_) gate->second.gain = gate_->gain, gate->second.measured = gate_->measured;
+  gate_ = &gate->second;
+}
+
+double PrefixScheduler::slowest_share() const {
+  // Measured at this batch's power of two, else at the largest smaller one:
+  // the slowest of more rows is slower still, so that is an upper bound.
+  for (auto gate = gates_.upper_bound(rows_bucket_); gate != gates_.begin();)
+    if ((--gate)->second.slowest_share.measured) return gate->second.slowest_share.value;
+  return 1.0;
+}
+
+void PrefixScheduler::SmoothedRatio::add(double ratio) {
   value = measured ? 0.5 * value + 0.5 * ratio : ratio;
   measured = true;
 }
 
 void PrefixScheduler::observe_round(double seconds) {
-  CostRatio* timed = std::exchange(timed_, nullptr);
+  SmoothedRatio* timed = std::exchange(timed_, nullptr);
   if (!draft_cost_ || !timed || seconds <= 0.0) return;
   // A round far off its prediction is a one-off (the CUDA target captures a
   // step's graph on the shape's second use, ~10x a step), not what the next
@@ -569,27 +599,59 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   for (size_t i = 0; i < proposals.size(); ++i)
     if (proposals[i].confidence.size() != proposals[i].tokens.size()) verify[i] = int(proposals[i].tokens.size());
   if (!draft_cost_) return;
+  if (!gate_) enter_gate(static_cast<int>(proposals.size()));  // (schedule() without rows_to_draft())
   // This round's prediction for a round where every row drafts, from the
   // rows that drafted (a probe round drafts one): the batch's progress per
   // round τ_b (see scheduler.h) over the round's time, against plain
   // decoding's tokens/s, smoothed over the drafted rounds (one round's
   // confidences are noisy). Without remaining lengths every row counts alike.
   const int R = static_cast<int>(proposals.size());
-  const bool lengths = remaining_.size() == proposals.size();
-  double most_left = 0.0, most_rounds = 0.0;  // max_r n_r and max_r n_r / e_r
+  // (The outlook's rows come first; a request admitted this round follows them, without a draft.)
+  const bool lengths = !remaining_.empty() && remaining_.size() <= proposals.size();
+  const auto drafted = [&](int r) { return !proposals[r].tokens.empty() && (!lengths || r < int(remaining_.size())); };
   int drafting = 0;
+  for (int r = 0; r < R; ++r) drafting += drafted(r);
+  if (drafting == 0) return;
+  double total_expected = 0.0, total_paced = 0.0;  // Σ_r e_r, and of the e_r the slowest row is found by
+  double most_left = 0.0, most_rounds = 0.0;       // max_r n_r and max_r n_r / e_r
   for (int r = 0; r < R; ++r) {
-    if (proposals[r].tokens.empty()) continue;
-    ++drafting;
+    if (!drafted(r)) continue;
     double row_expected = 1.0, survival = 1.0;  // e_r = 1 + Σ_{j < verify[r]} a_{r,j}
     for (int j = 0; j < verify[r] && j < int(confidences_[r].size()); ++j)
       row_expected += survival *= survival_factor(confidences_[r][j]);
+    total_expected += row_expected;
+    // The slowest of several rows, from each row's e_r smoothed over the
+    // rounds it drafted (scheduler.h). One row's estimate, and a sum, are
+    // unbiased as they are (the gain is smoothed below).
+    if (lengths && drafting > 1) {
+      auto [pace, first] = paces_.try_emplace(rows_[r], RowPace{remaining_[r], row_expected});
+      if (!first) {  // (a longer remaining length than before: a new request under the same id)
+        const bool same_request = remaining_[r] <= pace->second.remaining;
+        pace->second = {remaining_[r], same_request ? 0.5 * pace->second.expected + 0.5 * row_expected : row_expected};
+      }
+      row_expected = pace->second.expected;
+    }
+    total_paced += row_expected;
     const double left = lengths ? std::max(remaining_[r], 1) : 1.0;
     most_left = std::max(most_left, left);
     most_rounds = std::max(most_rounds, left / row_expected);
   }
-  if (drafting == 0) return;
-  const double expected_all = R * most_left / most_rounds;
+  // τ_b of a round where all R rows draft (scheduler.h), from those that did.
+  // Rows replaced as they finish: their total. Otherwise the slowest row's
+  // pace; where only some rows drafted (a probe's one), their mean pace
+  // scaled by the slowest row's share of the mean in the last rounds where
+  // all rows drafted (one row alone says nothing of the slowest of R: on the
+  // H200 at batch 64 each probe's row, standing for all, opened the gate for
+  // a round that then verified nothing).
+  double expected_all = 0.0;
+  if (lengths && waiting_ > 0) {
+    expected_all = R * total_expected / drafting;
+  } else if (drafting == R) {
+    expected_all = R * most_left / most_rounds;
+    if (R > 1) gate_->slowest_share.add(std::min(1.0, most_left / most_rounds / (total_paced / R)));
+  } else {
+    expected_all = R * total_expected / drafting * slowest_share();
+  }
   const double tokens_all = R + double(tokens - R) * R / drafting;
   // This round as the profiles see it, for observe_round: a round where every
   // row drafts (a probe's cost says nothing about one: its one drafting row
@@ -598,24 +660,26 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   // drafter's context); then such a round's predicted time, scaled by what
   // timed ones have cost against their predictions.
   drafting_round_ = true;
-  timed_ = drafting == R && after_drafted_round_ ? &drafted_cost_ : nullptr;
-  predicted_seconds_ = 1.0 / sps_.round_at(R, double(tokens - R) / R) + draft_cost_->at(R);
+  const int drafting_rows = lengths ? int(remaining_.size()) : R;  // (not those admitted this round)
+  timed_ = drafting == drafting_rows && after_drafted_round_ ? &drafted_cost_ : nullptr;
+  predicted_seconds_ = 1.0 / sps_.round_at(R, double(tokens - R) / R) + draft_cost_->at(R) +
+                       (1.0 / sps_.at(tokens + admitted_tokens_) - 1.0 / sps_.at(tokens));
   const double all_drafting = (1.0 / sps_.round_at(R, (tokens_all - R) / R) + draft_cost_->at(R)) * drafted_cost_.value;
   const double speculative = expected_all / all_drafting;
   const double gain = speculative * undrafted_cost_.value / (R * sps_.plain_at(R));
-  gain_ = measured_ ? 0.5 * gain_ + 0.5 * gain : gain;
-  measured_ = true;
+  gate_->gain = gate_->measured ? 0.5 * gate_->gain + 0.5 * gain : gain;
+  gate_->measured = true;
   // A probe looks and does not verify: its one row's drafts beside R - 1
   // pending tokens would make the forward ragged, a shape the CUDA target's
   // captured graphs do not cover (at batch 8 on the H200 the demo target's
   // eager verify took 0.24-0.29 ms against 0.14 for a replayed step), for at
   // most a few tokens of one row.
   if (probing_) std::fill(verify.begin(), verify.end(), 0);
-  if (gain_ >= 1.0) {
-    backoff_ = 1;
+  if (gate_->gain >= 1.0) {
+    gate_->backoff = 1;
   } else {  // plain rounds for a while, then one row drafts again to look
-    undrafted_left_ = backoff_;
-    backoff_ = std::min(2 * backoff_, R > 1 ? kMaxUndraftedRounds : kMaxUndraftedRoundsAlone);
+    gate_->undrafted_left = gate_->backoff;
+    gate_->backoff = std::min(2 * gate_->backoff, R > 1 ? kMaxUndraftedRounds : kMaxUndraftedRoundsAlone);
   }
 }
 

@@ -27,10 +27,18 @@
 // R·τ_b/(1/SPS(B) + D(R)) of a round where all R rows draft over plain
 // decoding's measured R·P(R), and while it is below 1 leaves rounds
 // undrafted (plain steps: each row's pending token alone); after 1, 2, 4, ...
-// 128 of them (32 at one row; at once when R crosses a power of two) one row
-// drafts (a probe, scaled to R rows for the estimate: a cheap look where
-// drafting costs per row). At R > 1 a probe's drafts are not verified: the
-// round stays a plain step, whose shape the CUDA target has captured.
+// 512 of them (32 at one row) one row drafts (a probe, scaled to R rows for
+// the estimate: a cheap look where drafting costs per row). At R > 1 a
+// probe's drafts are not verified: the round stays a plain step, whose shape
+// the CUDA target has captured. Each batch size (R rounded up to a power of
+// two, requests admitted in the round counted) has a gate of its own, its
+// estimate and its run of plain rounds: a batch that comes back to a size
+// (the next static batch after one's tail, a server's batch refilled)
+// resumes it, and a size not seen before starts from the estimate of the
+// one the batch came from and looks at once (with one gate whose runs
+// started over whenever the batch crossed a power of two, each tail of a
+// batch did: in a continuous-batching sweep on the CPU, batch 8 spent 3.4%
+// of its time on probes, 0.4% with a gate per size).
 //
 // The profiles are measured once, apart from real rounds; real rounds may
 // cost more (a round whose rows verify different numbers of drafts cannot
@@ -41,15 +49,29 @@
 // prediction, such as one that captures a graph, is skipped), scale the
 // estimate of later rounds (observe_round). Only at temperature 0
 // (spec/speculative.cpp): a sampling run with a seed must repeat exactly.
+// Under continuous batching a drafted round nearly always carries a newly
+// admitted request's prompt (at batch 64 about 2.7 requests finish a
+// round), which also keeps its forward from replaying a graph: such rounds
+// are timed against a prediction that adds those tokens (SPS(B) at B plus
+// them), or drafting's cost there would never be learned (on the H200 at
+// batch 64 the gate then drafted every round, at half plain decoding's
+// speed). Undrafted rounds that admit are not timed: rows that do not draft
+// finish together, so their admissions come in waves, rare and far off any
+// prediction.
 //
-// τ_b is the batch's progress per round, not its rows' mean: the rows of a
-// batch run until the last of them is done, so a batch drafting at expected
-// e_r tokens per round for row r (1 + the survival of its verified prefix)
-// with n_r tokens left needs max_r n_r / e_r rounds where plain decoding
-// needs max_r n_r steps: τ_b = max_r n_r / max_r (n_r / e_r), over the rows
+// τ_b is the batch's progress per round. Row r drafting is expected to emit
+// e_r tokens a round (1 + the survival of its verified prefix). While
+// requests wait for a place (continuous batching) a row that finishes is
+// replaced at once, so the batch progresses by its rows' total: τ_b = Σ_r
+// e_r. Otherwise the rows of a batch run until the last of them is done: with
+// n_r tokens left, drafting needs max_r n_r / e_r rounds where plain decoding
+// needs max_r n_r steps, τ_b = max_r n_r / max_r (n_r / e_r), over the rows
 // that drafted. One slow row holds the whole batch (measured on the H200 at
 // batch 64: rounds emitting 2.7 tokens per row on average finished the batch
-// in 121 rounds where plain decoding took 192 steps, a τ_b of 1.6).
+// in 121 rounds where plain decoding took 192 steps, a τ_b of 1.6). Each
+// row's e_r is smoothed over the rounds it drafts: the max over rows of one
+// round's noisy n_r / e_r sits above the batch's real pace (at two rows on
+// the H200 the gate shut rounds where drafting every round gained 3-11%).
 //
 // The decisions read only earlier rounds' confidences (and, greedy, their
 // durations), the rows' remaining lengths and the stored profiles, never a
@@ -57,9 +79,11 @@
 // the cached profiles, every output) stays as it was.
 #pragma once
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "core/json.h"
@@ -156,14 +180,29 @@ DraftCostProfile measure_draft_cost(Target& target, DraftSource& source, int gam
 DraftCostProfile cached_draft_cost(Target& target, DraftSource& source, const std::string& draft_key, int gamma,
                                    int max_rows, const std::filesystem::path& cache_file, bool remeasure = false);
 
+// What the engine tells a scheduler before a round of R rows (the requests
+// that may draft; a request admitted this round does not draft yet).
+struct RoundOutlook {
+  std::span<const int> rows;       // [R] each row's request: the same id for as long as the request runs
+  std::span<const int> remaining;  // [R] the most tokens each row may still emit
+  // Requests waiting for a place (continuous batching): while any wait, a
+  // row that finishes is replaced at once, so the batch's throughput is its
+  // rows' total progress; with none, the batch runs until its last row is done.
+  int waiting = 0;
+  // Requests admitted this round: their prompts ride in its forward, and they
+  // join the rows (and may draft) from the next round. The batch is R + admitted.
+  int admitted = 0;
+  int admitted_tokens = 0;  // the prompt tokens riding
+};
+
 class VerifyScheduler {
  public:
   virtual ~VerifyScheduler() = default;
-  // Asked before each round of R rows, remaining[r] = the most tokens row r
-  // may still emit: how many of them (the first ones) draft; the others take
-  // a plain decoding step (their pending token alone). With 0, schedule() is
-  // not called. Must not depend on anything drawn in that round.
-  virtual int rows_to_draft(std::span<const int> remaining) { return static_cast<int>(remaining.size()); }
+  // Asked before each round: how many of the outlook's rows (the first ones)
+  // draft; the others take a plain decoding step (their pending token
+  // alone). With 0, schedule() is not called. Must not depend on anything
+  // drawn in that round.
+  virtual int rows_to_draft(const RoundOutlook& outlook) { return static_cast<int>(outlook.remaining.size()); }
   // verify[i] = how many of proposals[i].tokens the round verifies (a prefix).
   // proposals[i].confidence is empty when the source has no confidences.
   virtual void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) = 0;
@@ -186,34 +225,53 @@ class PrefixScheduler final : public VerifyScheduler {
   // Without a draft cost profile every round drafts (Alg 1 alone).
   explicit PrefixScheduler(SpsProfile sps, std::optional<DraftCostProfile> draft_cost = std::nullopt)
       : sps_(std::move(sps)), draft_cost_(std::move(draft_cost)) {}
-  int rows_to_draft(std::span<const int> remaining) override;
+  int rows_to_draft(const RoundOutlook& outlook) override;
   // Rows whose proposal has no confidences are verified whole (their tokens count in B).
   void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) override;
   void observe_round(double seconds) override;
   const SpsProfile& sps() const { return sps_; }
   // The running estimate of drafting's gain over plain decoding (1 before any round).
-  double gain() const { return gain_; }
+  double gain() const { return gate_ ? gate_->gain : 1.0; }
 
  private:
   SpsProfile sps_;
   std::optional<DraftCostProfile> draft_cost_;
   std::vector<std::vector<float>> confidences_;
-  std::vector<int> remaining_;  // the round's rows_to_draft() argument
-  double gain_ = 1.0;       // smoothed predicted speculative / plain tokens per second (< 1: plain
-                            // rounds and probes)
-  bool measured_ = false;   // gain_ holds a measurement
-  int undrafted_left_ = 0;  // plain rounds still to run before the next probe
-  int backoff_ = 1;         // plain rounds after the next round that does not pay
-  int rows_bucket_ = 0;     // the batch's rows rounded up to a power of two, at the last decision
-  // Measured / predicted time of one kind of round, smoothed (1 before any).
-  struct CostRatio {
+  std::vector<int> rows_, remaining_;  // the round's outlook (rows_to_draft())
+  int waiting_ = 0;
+  struct RowPace {
+    int remaining;    // the row's remaining length when it last drafted
+    double expected;  // its e_r, smoothed over the rounds it drafted
+  };
+  std::unordered_map<int, RowPace> paces_;  // by request id
+  // A ratio smoothed over its measurements (1 before any).
+  struct SmoothedRatio {
     double value = 1.0;
     bool measured = false;
     void add(double ratio);
   };
-  CostRatio drafted_cost_, undrafted_cost_;
-  CostRatio* timed_ = nullptr;      // what the round being run is timed against (null: it is not)
+  // The gate at one batch size (the batch's rows rounded up to a power of
+  // two): drafting pays differently at each, and a batch that comes back to
+  // a size (the next static batch after a tail, a server's batch refilled)
+  // resumes where it was, its runs of plain rounds included.
+  struct Gate {
+    double gain = 1.0;       // smoothed predicted speculative / plain tokens per second (< 1: plain rounds and probes)
+    bool measured = false;   // gain holds a measurement
+    int undrafted_left = 0;  // plain rounds still to run before the next probe
+    int backoff = 1;         // plain rounds after the next round that does not pay
+    // Static batches: the slowest row's pace over the rows' mean pace in
+    // rounds where every row drafted, smoothed.
+    SmoothedRatio slowest_share;
+  };
+  std::map<int, Gate> gates_;  // by power of two
+  int rows_bucket_ = 0;        // this round's power of two
+  Gate* gate_ = nullptr;       // and its gate
+  void enter_gate(int rows);   // sets rows_bucket_ and gate_ for a batch of `rows`
+  double slowest_share() const;
+  SmoothedRatio drafted_cost_, undrafted_cost_;  // measured / predicted time of a drafted / an undrafted round
+  SmoothedRatio* timed_ = nullptr;               // what the round being run is timed against (null: it is not)
   double predicted_seconds_ = 0.0;  // the profiles' time for it
+  int admitted_tokens_ = 0;         // prompt tokens riding in the round's forward
   bool probing_ = false;            // this round is a probe (one of R > 1 rows drafts while the gate is shut)
   bool drafting_round_ = false, after_drafted_round_ = false;  // this round drafts; the one before did
 };

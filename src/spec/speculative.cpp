@@ -175,9 +175,11 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     // first `drafting` rows draft, the others take a plain decoding step, their
     // pending token verified alone. Fresh rows have no draft context yet.
     const bool any_fresh = established < active.size();
-    const size_t drafting = options.scheduler
-                                ? size_t(options.scheduler->rows_to_draft(std::span(remaining).first(established)))
-                                : established;
+    int admitted_tokens = 0;
+    for (size_t i = established; i < active.size(); ++i) admitted_tokens += int(prompts[active[i]].size()) - 1;
+    const RoundOutlook outlook{std::span(active).first(established), std::span(remaining).first(established),
+                               int(prompts.size() - admitted), int(active.size() - established), admitted_tokens};
+    const size_t drafting = options.scheduler ? size_t(options.scheduler->rows_to_draft(outlook)) : established;
     proposals.clear();
     const auto round_start = Clock::now();
     if (drafting > 0)
@@ -301,8 +303,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     // Round times steer the scheduler only at temperature 0: when sampling,
     // its decisions choose which random numbers are drawn, and a seeded run
     // must repeat exactly, which a clock cannot.
-    // (Not a round that also took in a fresh prompt: that is not what it predicts.)
-    if (options.scheduler && options.sampling.greedy() && !any_fresh)
+    if (options.scheduler && options.sampling.greedy())
       options.scheduler->observe_round(std::chrono::duration<double>(Clock::now() - round_start).count());
     for (int r : active)
       if (requests[r].done) {

@@ -891,8 +891,8 @@ TEST_P(CudaDrafting, SpeculativeDecodingWithDeviceTapsEqualsHostTaps) {
 class DraftsNowAndThen final : public VerifyScheduler {
  public:
   explicit DraftsNowAndThen(int period) : period_(period) {}
-  int rows_to_draft(std::span<const int> remaining) override {
-    return round_++ % period_ < 2 ? static_cast<int>(remaining.size()) : 0;
+  int rows_to_draft(const RoundOutlook& outlook) override {
+    return round_++ % period_ < 2 ? static_cast<int>(outlook.remaining.size()) : 0;
   }
   void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) override {
     verify.clear();
