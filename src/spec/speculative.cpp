@@ -265,9 +265,10 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
                                       options.sampling, order);
         verdict = accept_sampled(target_probs, proposal.probs, proposal.tokens, V, request.rng);
       }
-      // Keep pending + the accepted drafts in the cache; teach the source the same.
-      const int length_before = target.sequence_length(request.sequence) - (n + 1);
-      target.truncate_sequence(request.sequence, length_before + 1 + verdict.accepted);
+      // Keep pending + the accepted drafts in the cache (roll back the
+      // rejected ones, where there are any); teach the source the same.
+      if (const int rejected = n - verdict.accepted; rejected > 0)
+        target.truncate_sequence(request.sequence, target.sequence_length(request.sequence) - rejected);
       accept(active[i], std::span(blocks[i]).first(1 + verdict.accepted), tap_row);
       tap_row += n + 1;
       row += n + 1;
