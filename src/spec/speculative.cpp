@@ -174,7 +174,6 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     // The scheduler may leave rows undrafted (drafting would not pay): the
     // first `drafting` rows draft, the others take a plain decoding step, their
     // pending token verified alone. Fresh rows have no draft context yet.
-    const bool any_fresh = established < active.size();
     int admitted_tokens = 0;
     for (size_t i = established; i < active.size(); ++i) admitted_tokens += int(prompts[active[i]].size()) - 1;
     const RoundOutlook outlook{std::span(active).first(established), std::span(remaining).first(established),
@@ -317,7 +316,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       timing->verify_seconds += std::chrono::duration<double>(verify_done - verify_start).count();
       const auto round_done = Clock::now();
       timing->accept_seconds += std::chrono::duration<double>(round_done - verify_done).count();
-      if (drafting == 0 && !any_fresh) {
+      if (drafting == 0 && outlook.admitted == 0) {
         ++timing->undrafted_rounds;
         timing->undrafted_seconds += std::chrono::duration<double>(round_done - round_start).count();
       }
