@@ -184,16 +184,18 @@ TEST_P(GoldenModel, GenerationStopsAtTheContextEnd) {
 
 INSTANTIATE_TEST_SUITE_P(Golden, GoldenModel, ::testing::Values("qwen3", "llama"));
 
+// The weight's values rounded to bf16, in an owned copy (a loaded tensor maps the file read-only).
+void round_to_bf16(Tensor& weight) {
+  Tensor rounded = Tensor::zeros(weight.shape);
+  for (long i = 0; i < weight.numel(); ++i) rounded.data[i] = bf16_to_f32(f32_to_bf16(weight.data[i]));
+  weight = rounded;
+}
+
 // The golden qwen3 with its weights rounded to bf16 (a bf16 checkpoint's),
 // without its packed bf16 copies yet.
 Transformer golden_qwen3_in_bf16() {
   Transformer model = load_transformer(golden_model("qwen3"));
   EXPECT_TRUE(model.lm_head_bf16.empty()) << "the golden checkpoint is f32";
-  auto round_to_bf16 = [](Tensor& weight) {  // an owned copy: the loaded tensor maps the file read-only
-    Tensor rounded = Tensor::zeros(weight.shape);
-    for (long i = 0; i < weight.numel(); ++i) rounded.data[i] = bf16_to_f32(f32_to_bf16(weight.data[i]));
-    weight = rounded;
-  };
   for (LayerWeights& layer : model.layers)
     for (Tensor* weight : {&layer.q_proj, &layer.k_proj, &layer.v_proj, &layer.o_proj, &layer.gate_proj, &layer.up_proj,
                            &layer.down_proj})
@@ -300,6 +302,63 @@ TEST(TransformerLoad, TiedEmbeddingsShareTheHead) {
   EXPECT_EQ(qwen.lm_head.data, qwen.embed_tokens.data);
   const Transformer llama = load_transformer(golden_model("llama"));
   EXPECT_NE(llama.lm_head.data, llama.embed_tokens.data);
+}
+
+// A bf16 checkpoint's projections are read only through their bf16 bits, so
+// loading frees their f32 tensors (the layers and an untied head; the
+// embedding, whose rows are gathered, stays). The golden llama (untied)
+// written as bf16 gives the logits of the same model whose f32 tensors stay,
+// and keeping the bits again after the release leaves them.
+TEST(TransformerLoad, Bf16CheckpointKeepsOnlyTheBitsOfItsProjections) {
+  const std::filesystem::path golden = golden_model("llama");
+  testing::TemporaryDirectory directory;
+  {
+    const SafetensorsCheckpoint checkpoint(golden);
+    std::vector<std::vector<uint16_t>> storage;
+    std::vector<SafetensorsWriteEntry> entries;
+    for (const std::string& name : checkpoint.names()) {
+      const Tensor tensor = checkpoint.file_of(name).load_f32(name);
+      std::vector<uint16_t>& bits = storage.emplace_back(size_t(tensor.numel()));
+      for (long i = 0; i < tensor.numel(); ++i) bits[size_t(i)] = f32_to_bf16(tensor.data[i]);
+      entries.push_back({name, Dtype::BF16, tensor.shape, bits.data()});
+    }
+    write_safetensors(directory.path / "model.safetensors", entries);
+    std::filesystem::copy_file(golden / "config.json", directory.path / "config.json");
+  }
+  Transformer loaded = load_transformer(directory.path);
+  ASSERT_FALSE(loaded.config.tie_word_embeddings);
+  for (const LayerWeights& layer : loaded.layers) {
+    for (const Tensor* weight : {&layer.q_proj, &layer.k_proj, &layer.v_proj, &layer.o_proj, &layer.gate_proj,
+                                 &layer.up_proj, &layer.down_proj})
+      EXPECT_EQ(weight->data, nullptr);
+    EXPECT_FALSE(layer.bf16.down_proj.empty());
+  }
+  EXPECT_EQ(loaded.lm_head.data, nullptr);
+  ASSERT_NE(loaded.embed_tokens.data, nullptr);
+  const std::vector<uint16_t> head_bits = loaded.lm_head_bf16;
+  keep_bf16_weights(loaded);
+  EXPECT_EQ(loaded.lm_head_bf16, head_bits);
+
+  // The same bf16 values with their f32 tensors kept (the bits packed from them).
+  Transformer kept = load_transformer(golden);
+  for (LayerWeights& layer : kept.layers)
+    for (Tensor* weight : {&layer.input_norm, &layer.q_proj, &layer.k_proj, &layer.v_proj, &layer.o_proj,
+                           &layer.post_attention_norm, &layer.gate_proj, &layer.up_proj, &layer.down_proj})
+      round_to_bf16(*weight);
+  for (Tensor* weight : {&kept.embed_tokens, &kept.lm_head, &kept.final_norm}) round_to_bf16(*weight);
+  keep_bf16_weights(kept);
+  ASSERT_NE(kept.layers[0].q_proj.data, nullptr);
+
+  const std::vector<int32_t> prompt = {5, 99, 310, 42, 7, 100, 64};
+  auto logits = [&](const Transformer& model) {
+    KVCache cache(model.config, 16);
+    ForwardWorkspace workspace;
+    ForwardOutput output;
+    ForwardSequence sequence{&cache, prompt, true};
+    transformer_forward(model, {&sequence, 1}, {}, workspace, output);
+    return output.logits;
+  };
+  EXPECT_EQ(logits(loaded), logits(kept));
 }
 
 }  // namespace

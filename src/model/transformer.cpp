@@ -15,6 +15,37 @@
 
 namespace dspark {
 
+namespace {
+
+// Visits every projection of a layer with its bf16 bits.
+template <class Layer, class Visit>
+void for_each_projection(Layer& layer, Visit visit) {
+  visit(layer.q_proj, layer.bf16.q_proj);
+  visit(layer.k_proj, layer.bf16.k_proj);
+  visit(layer.v_proj, layer.bf16.v_proj);
+  visit(layer.o_proj, layer.bf16.o_proj);
+  visit(layer.gate_proj, layer.bf16.gate_proj);
+  visit(layer.up_proj, layer.bf16.up_proj);
+  visit(layer.down_proj, layer.bf16.down_proj);
+}
+
+void keep_bits(const Tensor& weight, std::vector<uint16_t>& bits) {
+  if (weight.data)  // else released: its bits stay
+    bits = cpu::pack_bf16_rows(weight.data, int(weight.shape[0]), int(weight.shape[1]));
+}
+
+// Frees a projection's f32 tensor when it has bf16 bits: the products read only
+// those (cpu::matmul_forward). A tied head is the embedding, whose rows are
+// gathered: it stays.
+void release_f32_if_bits(Tensor& weight, const std::vector<uint16_t>& bits, const Tensor& embedding) {
+  if (!bits.empty() && weight.data != embedding.data) {
+    weight.data = nullptr;
+    weight.owner.reset();
+  }
+}
+
+}  // namespace
+
 Transformer load_transformer(const std::filesystem::path& directory) {
   Transformer model;
   model.config = load_model_config(directory);
@@ -33,6 +64,8 @@ Transformer load_transformer(const std::filesystem::path& directory) {
   } else {
     model.lm_head = checkpoint.load("lm_head.weight", {V, H});
   }
+  keep_bits(model.lm_head, model.lm_head_bf16);
+  release_f32_if_bits(model.lm_head, model.lm_head_bf16, model.embed_tokens);
   for (int i = 0; i < c.num_layers; ++i) {
     const std::string prefix = "model.layers." + std::to_string(i) + ".";
     LayerWeights layer;
@@ -60,21 +93,20 @@ Transformer load_transformer(const std::filesystem::path& directory) {
       layer.up_bias = checkpoint.load(prefix + "mlp.up_proj.bias", {F});
       layer.down_bias = checkpoint.load(prefix + "mlp.down_proj.bias", {H});
     }
+    // Layer by layer, so that a bf16 checkpoint never holds all of its f32 tensors at once.
+    for_each_projection(layer, [&](Tensor& weight, std::vector<uint16_t>& bits) {
+      keep_bits(weight, bits);
+      release_f32_if_bits(weight, bits, model.embed_tokens);
+    });
     model.layers.push_back(std::move(layer));
   }
   model.rope_inverse_frequency = rope_inverse_frequencies(c);
-  keep_bf16_weights(model);
   return model;
 }
 
 void keep_bf16_weights(Transformer& model) {
-  auto bits = [](const Tensor& weight) {
-    return cpu::pack_bf16_rows(weight.data, int(weight.shape[0]), int(weight.shape[1]));
-  };
-  for (LayerWeights& layer : model.layers)
-    layer.bf16 = {bits(layer.q_proj),    bits(layer.k_proj),  bits(layer.v_proj),   bits(layer.o_proj),
-                  bits(layer.gate_proj), bits(layer.up_proj), bits(layer.down_proj)};
-  model.lm_head_bf16 = bits(model.lm_head);
+  for (LayerWeights& layer : model.layers) for_each_projection(layer, keep_bits);
+  keep_bits(model.lm_head, model.lm_head_bf16);
 }
 
 namespace {

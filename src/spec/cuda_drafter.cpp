@@ -117,6 +117,22 @@ CudaDrafter::CudaDrafter(const Drafter& drafter, const CudaTargetHead& head)
     layers_.push_back(std::move(layer));
   }
   context_projection_ = upload_transposed_bf16({drafter["W_c"]}, width_, d);
+  {
+    std::vector<std::vector<float>> folded;  // per layer k, v: row i scaled by attn_norm[i]
+    for (int l = 0; l < c.num_layers; ++l) {
+      const float* norm = drafter[layer_name(l, "attn_norm")];
+      for (const char* name : {"k", "v"}) {
+        const float* weight = drafter[layer_name(l, name)];
+        std::vector<float>& scaled = folded.emplace_back(size_t(d) * d);
+        for (int i = 0; i < d; ++i)
+          for (int o = 0; o < d; ++o) scaled[size_t(i) * d + o] = weight[size_t(i) * d + o] * norm[i];
+      }
+    }
+    std::vector<const float*> matrices;
+    for (const std::vector<float>& matrix : folded) matrices.push_back(matrix.data());
+    context_keys_values_ = upload_transposed_bf16(matrices, d, d);
+  }
+  ones_ = upload_f32(std::vector<float>(d, 1.0f).data(), d);
   token_projection_ = upload_transposed_bf16({drafter["tok_proj"]}, H, d);
   out_projection_ = upload_transposed_bf16({drafter["out_proj"]}, d, H);
   context_norm_ = upload_f32(drafter["ctx_norm"], d);
@@ -155,7 +171,7 @@ CudaDrafter::CudaDrafter(const Drafter& drafter, const CudaTargetHead& head)
   extend_projected_.resize(size_t(kExtendChunk) * d);
   extend_hidden_.resize(size_t(kExtendChunk) * d);
   extend_normed_.resize(size_t(kExtendChunk) * d);
-  extend_kv_.resize(size_t(kExtendChunk) * 2 * d);
+  extend_kv_.resize(size_t(kExtendChunk) * c.num_layers * 2 * d);
   CUDA_CHECK(cudaEventCreateWithFlags(&device_staged_written_, cudaEventDisableTiming));
   CUDA_CHECK(cudaEventCreateWithFlags(&device_staged_read_, cudaEventDisableTiming));
   ensure_rows(1);
@@ -384,14 +400,14 @@ void CudaDrafter::flush_contexts_of(std::span<const CudaDraftRequest> requests) 
     wait_for_extend_staging();
     auto* destinations = reinterpret_cast<uint64_t*>(extend_staging_.data());
     auto* taps = reinterpret_cast<uint16_t*>(extend_staging_.data() + extend_taps_offset_);
-    for (int l = 0; l < L; ++l)
-      for (int i = 0; i < padded; ++i) {
+    for (int i = 0; i < padded; ++i)
+      for (int l = 0; l < L; ++l) {
         bf16* destination = nullptr;  // padding rows are computed and dropped
         if (i < count) {
           const Row& row = rows[begin + i];
           destination = row.context->storage.data() + (long(l) * row.context->capacity + row.position) * row_elements;
         }
-        destinations[long(l) * padded + i] = reinterpret_cast<uint64_t>(destination);
+        destinations[long(i) * L + l] = reinterpret_cast<uint64_t>(destination);
       }
     // Host rows go up with the metadata; device rows (and then the padding) are gathered on the device.
     auto* sources = reinterpret_cast<int32_t*>(extend_staging_.data() + extend_sources_offset_);
@@ -422,19 +438,16 @@ void CudaDrafter::flush_contexts_of(std::span<const CudaDraftRequest> requests) 
     const auto* sources_device = reinterpret_cast<const int32_t*>(extend_metadata_.data() + extend_sources_offset_);
     if (chunk_device_rows)
       cuda::gather_staged_rows_forward(taps_device, device_staged_.data(), sources_device, padded, width_, s);
-    // Hc = rms(hctx @ W_c, ctx_norm), kept in f32; per layer rms(Hc, attn_norm) @ k | v.
+    // Hc = rms(hctx @ W_c, ctx_norm), kept in f32; then every layer's rms(Hc, attn_norm) @ k | v in one product
+    // (context_keys_values_), whose rows [L * 2d] go to the L layers' storage.
     cuda::matmul_forward(extend_projected_.data(), cuda::MatmulOutput::F32, taps_device, context_projection_.data(),
                          nullptr, padded, width_, d, s, kAnyKernel);
     cuda::residual_add_rmsnorm_forward(extend_projected_.data(), nullptr, extend_normed_.data(), context_norm_.data(),
                                        padded, d, eps, nullptr, extend_hidden_.data(), d, s);
-    for (int l = 0; l < L; ++l) {
-      cuda::rmsnorm_forward(extend_normed_.data(), extend_hidden_.data(), layers_[l].attention_norm.data(), padded, d,
-                            eps, s);
-      cuda::matmul_forward(extend_kv_.data(), cuda::MatmulOutput::BF16, extend_normed_.data(), layers_[l].kvq.data(),
-                           nullptr, padded, d, 2 * d, s, kAnyKernel);  // k | v: the first 2d rows of k | v | q
-      cuda::scatter_rows_forward(destinations_device + long(l) * padded, extend_kv_.data(), padded,
-                                 static_cast<int>(row_elements), s);
-    }
+    cuda::rmsnorm_forward(extend_normed_.data(), extend_hidden_.data(), ones_.data(), padded, d, eps, s);
+    cuda::matmul_forward(extend_kv_.data(), cuda::MatmulOutput::BF16, extend_normed_.data(),
+                         context_keys_values_.data(), nullptr, padded, d, L * 2 * d, s, kAnyKernel);
+    cuda::scatter_rows_forward(destinations_device, extend_kv_.data(), padded * L, static_cast<int>(row_elements), s);
   }
   if (device_rows) {  // the next conversion into device_staged_ waits for this pass to have read it
     CUDA_CHECK(cudaEventRecord(device_staged_read_, s));

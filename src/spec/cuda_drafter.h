@@ -134,8 +134,7 @@ class CudaDrafter {
   using bf16 = __nv_bfloat16;
   struct Layer {
     cuda::DeviceBuffer<float> attention_norm, ff_norm;  // [d]
-    cuda::DeviceBuffer<bf16> kvq;                       // [3d, d]: k, v, q, each [out, in] (k | v alone: the
-                                                        // context's projection, from the start of the buffer)
+    cuda::DeviceBuffer<bf16> kvq;                       // [3d, d]: k, v, q, each [out, in]
     cuda::DeviceBuffer<bf16> o;                         // [d, d]
     cuda::DeviceBuffer<bf16> gate_up;                   // [2fd, d]: gate then up
     cuda::DeviceBuffer<bf16> down;                      // [d, fd]
@@ -185,6 +184,11 @@ class CudaDrafter {
   // Weights.
   std::vector<Layer> layers_;
   cuda::DeviceBuffer<bf16> context_projection_;                    // [d, m*H] W_c
+  // Every layer's k | v with the layer's attention norm weight folded in,
+  // [L * 2d, d]: rms(Hc, w_l) @ k_l = (Hc / rms(Hc)) @ (diag(w_l) k_l), so one
+  // product projects a context row for all layers.
+  cuda::DeviceBuffer<bf16> context_keys_values_;
+  cuda::DeviceBuffer<float> ones_;                                 // [d]: the unweighted norm
   cuda::DeviceBuffer<bf16> token_projection_;                      // [d, H] tok_proj
   cuda::DeviceBuffer<bf16> out_projection_;                        // [H, d] out_proj
   cuda::DeviceBuffer<float> context_norm_, out_norm_;              // [d]
@@ -201,9 +205,9 @@ class CudaDrafter {
   long extend_sources_offset_ = 0;  // byte offset of each row's source (kernels/cuda/draft.h) in the extension staging
   long extend_taps_offset_ = 0;     // byte offset of the tapped rows in the extension staging
   cuda::PinnedBuffer<unsigned char> extend_staging_;
-  cuda::DeviceBuffer<unsigned char> extend_metadata_;           // destinations [L, rows], then tapped rows [rows, m*H]
+  cuda::DeviceBuffer<unsigned char> extend_metadata_;           // destinations [rows, L], then tapped rows [rows, m*H]
   cuda::DeviceBuffer<float> extend_projected_, extend_hidden_;  // [rows, d]
-  cuda::DeviceBuffer<bf16> extend_normed_, extend_kv_;          // [rows, d], [rows, 2d]
+  cuda::DeviceBuffer<bf16> extend_normed_, extend_kv_;          // [rows, d], [rows, L * 2d]
   bool extend_in_flight_ = false;                               // a copy from extend_staging_ may not have run yet
   // Rows staged from the target's device taps, for all contexts, until the next pass.
   cuda::DeviceBuffer<bf16> device_staged_;  // [capacity, m*H]
