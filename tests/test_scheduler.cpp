@@ -270,27 +270,6 @@ TEST(PrefixScheduler, GateScalesItsEstimateByTimedRounds) {
     one_off.observe_round(0.5);
   }
   EXPECT_NEAR(one_off.gain(), untimed_gain, 1e-6);
-  // Drafting that pays by 20% (12.5 ms a draft: gain 1.20). One round at 3x
-  // its prediction (a host's hiccup, under the one-off bound) among rounds
-  // as predicted moves nothing: the median of the last five ratios stays 1.
-  // (Averaged with the ratio before, it made the ratio 2 and the gain 0.60:
-  // the gate shut, and a shut gate times no drafted round, so it stayed shut.)
-  // When every drafted round from the fourth on takes 3x (drafting's real cost), the
-  // median follows from the third such round, and the smoothed gain falls
-  // below 1 on the next.
-  const double predicted = 0.0225, paying_gain = e_good / predicted / 100;
-  // Plain steps as predicted; drafted rounds as predicted but the fourth, or every one from the fourth, at 3x.
-  auto fourth_slow = [&, round = 0](bool drafted) mutable {
-    return !drafted ? 0.010 : ++round == 4 ? 3 * predicted : predicted;
-  };
-  auto slow_from_fourth = [&, round = 0](bool drafted) mutable {
-    return !drafted ? 0.010 : ++round >= 4 ? 3 * predicted : predicted;
-  };
-  PrefixScheduler hiccup(flat, DraftCostProfile{{1}, {0.0125}});
-  EXPECT_EQ(gate_pattern(hiccup, 16, good, good, fourth_slow), std::string(16, 'D'));
-  EXPECT_NEAR(hiccup.gain(), paying_gain, 1e-6);
-  PrefixScheduler costly(flat, DraftCostProfile{{1}, {0.0125}});
-  EXPECT_EQ(gate_pattern(costly, 10, good, good, slow_from_fourth), "DDDDDDD.D.");
   // Undrafted rounds at 20 ms (twice the plain step the profile measured): a
   // drafted round at 30 ms against them gains 2.71 / 30 ms over 1 / 20 ms.
   PrefixScheduler dear_plain(flat, DraftCostProfile{{1}, {0.001}});

@@ -573,17 +573,8 @@ void PrefixScheduler::SmoothedRatio::add(double ratio) {
   measured = true;
 }
 
-void PrefixScheduler::TimedRatio::add(double ratio) {
-  last[count++ % kTimedRounds] = ratio;
-  const int kept = std::min(count, kTimedRounds);
-  std::array<double, kTimedRounds> sorted = last;
-  const auto median = sorted.begin() + (kept - 1) / 2;  // (of two, the smaller)
-  std::nth_element(sorted.begin(), median, sorted.begin() + kept);
-  value = *median;
-}
-
 void PrefixScheduler::observe_round(double seconds) {
-  TimedRatio* timed = std::exchange(timed_, nullptr);
+  SmoothedRatio* timed = std::exchange(timed_, nullptr);
   if (!draft_cost_ || !timed || seconds <= 0.0) return;
   // A round far off its prediction is a one-off (the CUDA target captures a
   // step's graph on the shape's second use, ~10x a step), not what the next

@@ -45,9 +45,8 @@
 // replay a captured graph: at batch 64 on the H200 1.3 ms against the
 // profile's ~0.5). So the gate also times the rounds it runs: the ratio of a
 // drafted round's measured time to the profiles' prediction for it, and of an
-// undrafted round's to a plain step's, each the median of the last five
-// (a round over 4x its prediction, such as one that captures a graph, is
-// skipped), scale the
+// undrafted round's to a plain step's, each smoothed (a round over 4x its
+// prediction, such as one that captures a graph, is skipped), scale the
 // estimate of later rounds (observe_round). Only at temperature 0
 // (spec/speculative.cpp): a sampling run with a seed must repeat exactly.
 // Under continuous batching a drafted round nearly always carries a newly
@@ -79,7 +78,6 @@
 // token of the round they concern, so every output distribution (and, given
 // the cached profiles, every output) stays as it was.
 #pragma once
-#include <array>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -270,22 +268,8 @@ class PrefixScheduler final : public VerifyScheduler {
   Gate* gate_ = nullptr;       // and its gate
   void enter_gate(int rows);   // sets rows_bucket_ and gate_ for a batch of `rows`
   double slowest_share() const;
-  // A round's measured over predicted time: the median of the last
-  // kTimedRounds measurements (1 before any), so that one slow round (a
-  // hiccup of the host) moves nothing. A shut gate times no drafted round,
-  // so its ratio stays as it was: with an average of the two latest, one
-  // drafted round at 3x its prediction shut a gate where drafting paid by
-  // 20% for good (test_scheduler; an H200 sweep once left 97% of batch 1's
-  // rounds undrafted, 1.01x plain where drafting every round gave 1.19x).
-  struct TimedRatio {
-    static constexpr int kTimedRounds = 5;
-    std::array<double, kTimedRounds> last{};  // a ring of the latest measurements
-    int count = 0;                            // measurements so far
-    double value = 1.0;
-    void add(double ratio);
-  };
-  TimedRatio drafted_cost_, undrafted_cost_;  // of a drafted / an undrafted round
-  TimedRatio* timed_ = nullptr;               // what the round being run is timed against (null: it is not)
+  SmoothedRatio drafted_cost_, undrafted_cost_;  // measured / predicted time of a drafted / an undrafted round
+  SmoothedRatio* timed_ = nullptr;               // what the round being run is timed against (null: it is not)
   double predicted_seconds_ = 0.0;  // the profiles' time for it
   int admitted_tokens_ = 0;         // prompt tokens riding in the round's forward
   bool probing_ = false;            // this round is a probe (one of R > 1 rows drafts while the gate is shut)
