@@ -63,6 +63,25 @@ DeviceBuffer<bf16> upload_transposed_bf16(const std::vector<const float*>& matri
   return buffer;
 }
 
+// Every layer's k then v, [in, out] each, with input feature i scaled by the
+// layer's attn_norm[i], uploaded [L * 2d, d] (CudaDrafter::context_keys_values_).
+DeviceBuffer<bf16> upload_context_keys_values(const Drafter& drafter) {
+  const int d = drafter.config.d_draft;
+  std::vector<std::vector<float>> folded;
+  for (int l = 0; l < drafter.config.num_layers; ++l) {
+    const float* norm = drafter[layer_name(l, "attn_norm")];
+    for (const char* name : {"k", "v"}) {
+      const float* weight = drafter[layer_name(l, name)];
+      std::vector<float>& scaled = folded.emplace_back(size_t(d) * d);
+      for (int i = 0; i < d; ++i)
+        for (int o = 0; o < d; ++o) scaled[size_t(i) * d + o] = weight[size_t(i) * d + o] * norm[i];
+    }
+  }
+  std::vector<const float*> matrices;
+  for (const std::vector<float>& matrix : folded) matrices.push_back(matrix.data());
+  return upload_transposed_bf16(matrices, d, d);
+}
+
 }  // namespace
 
 CudaDrafter::StepLayout::StepLayout(int rows, int gamma, int layers) {
@@ -117,21 +136,7 @@ CudaDrafter::CudaDrafter(const Drafter& drafter, const CudaTargetHead& head)
     layers_.push_back(std::move(layer));
   }
   context_projection_ = upload_transposed_bf16({drafter["W_c"]}, width_, d);
-  {
-    std::vector<std::vector<float>> folded;  // per layer k, v: row i scaled by attn_norm[i]
-    for (int l = 0; l < c.num_layers; ++l) {
-      const float* norm = drafter[layer_name(l, "attn_norm")];
-      for (const char* name : {"k", "v"}) {
-        const float* weight = drafter[layer_name(l, name)];
-        std::vector<float>& scaled = folded.emplace_back(size_t(d) * d);
-        for (int i = 0; i < d; ++i)
-          for (int o = 0; o < d; ++o) scaled[size_t(i) * d + o] = weight[size_t(i) * d + o] * norm[i];
-      }
-    }
-    std::vector<const float*> matrices;
-    for (const std::vector<float>& matrix : folded) matrices.push_back(matrix.data());
-    context_keys_values_ = upload_transposed_bf16(matrices, d, d);
-  }
+  context_keys_values_ = upload_context_keys_values(drafter);
   ones_ = upload_f32(std::vector<float>(d, 1.0f).data(), d);
   token_projection_ = upload_transposed_bf16({drafter["tok_proj"]}, H, d);
   out_projection_ = upload_transposed_bf16({drafter["out_proj"]}, d, H);

@@ -542,7 +542,7 @@ int PrefixScheduler::rows_to_draft(const RoundOutlook& outlook) {
   // (Requests admitted this round count: under continuous batching a wave of
   // rows that finish together is replaced at once, not a smaller batch.)
   enter_gate(rows + outlook.admitted);
-  if (!draft_cost_ || gate_->gain >= 1.0) return rows;
+  if (!draft_cost_ || gate_->gain.value >= 1.0) return rows;
   if (gate_->undrafted_left > 0) {
     --gate_->undrafted_left;
     return 0;
@@ -556,7 +556,7 @@ void PrefixScheduler::enter_gate(int rows) {
   auto [gate, first] = gates_.try_emplace(rows_bucket_);
   // A batch size not seen before starts from the gain of the one the batch
   // comes from, and looks at once: a probe if that gate is shut.
-  if (first && gate_) gate->second.gain = gate_->gain, gate->second.measured = gate_->measured;
+  if (first && gate_) gate->second.gain = gate_->gain;
   gate_ = &gate->second;
 }
 
@@ -667,15 +667,14 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   const double all_drafting = (1.0 / sps_.round_at(R, (tokens_all - R) / R) + draft_cost_->at(R)) * drafted_cost_.value;
   const double speculative = expected_all / all_drafting;
   const double gain = speculative * undrafted_cost_.value / (R * sps_.plain_at(R));
-  gate_->gain = gate_->measured ? 0.5 * gate_->gain + 0.5 * gain : gain;
-  gate_->measured = true;
+  gate_->gain.add(gain);
   // A probe looks and does not verify: its one row's drafts beside R - 1
   // pending tokens would make the forward ragged, a shape the CUDA target's
   // captured graphs do not cover (at batch 8 on the H200 the demo target's
   // eager verify took 0.24-0.29 ms against 0.14 for a replayed step), for at
   // most a few tokens of one row.
   if (probing_) std::fill(verify.begin(), verify.end(), 0);
-  if (gate_->gain >= 1.0) {
+  if (gate_->gain.value >= 1.0) {
     gate_->backoff = 1;
   } else {  // plain rounds for a while, then one row drafts again to look
     gate_->undrafted_left = gate_->backoff;

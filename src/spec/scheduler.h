@@ -231,7 +231,7 @@ class PrefixScheduler final : public VerifyScheduler {
   void observe_round(double seconds) override;
   const SpsProfile& sps() const { return sps_; }
   // The running estimate of drafting's gain over plain decoding (1 before any round).
-  double gain() const { return gate_ ? gate_->gain : 1.0; }
+  double gain() const { return gate_ ? gate_->gain.value : 1.0; }
 
  private:
   SpsProfile sps_;
@@ -244,7 +244,7 @@ class PrefixScheduler final : public VerifyScheduler {
     double expected;  // its e_r, smoothed over the rounds it drafted
   };
   std::unordered_map<int, RowPace> paces_;  // by request id
-  // A ratio smoothed over its measurements (1 before any).
+  // A ratio smoothed by halves over its measurements (1 before any).
   struct SmoothedRatio {
     double value = 1.0;
     bool measured = false;
@@ -255,8 +255,7 @@ class PrefixScheduler final : public VerifyScheduler {
   // a size (the next static batch after a tail, a server's batch refilled)
   // resumes where it was, its runs of plain rounds included.
   struct Gate {
-    double gain = 1.0;       // smoothed predicted speculative / plain tokens per second (< 1: plain rounds and probes)
-    bool measured = false;   // gain holds a measurement
+    SmoothedRatio gain;      // predicted speculative / plain tokens per second (< 1: plain rounds and probes)
     int undrafted_left = 0;  // plain rounds still to run before the next probe
     int backoff = 1;         // plain rounds after the next round that does not pay
     // Static batches: the slowest row's pace over the rows' mean pace in
