@@ -281,7 +281,13 @@ TEST(CudaOps, GemvKernelsMatchCpuAndTheirFusedEpiloguesEqualTheUnfusedKernels) {
         EXPECT_EQ(from_device(fused_delta), from_device(delta)) << what;
         EXPECT_EQ(from_device(fused.residual), from_device(separate.residual)) << what;
         EXPECT_EQ(from_device(fused.normed), from_device(separate.normed)) << what;
-        EXPECT_EQ(from_device(fused.taps), from_device(separate.taps)) << what;
+        const auto fused_taps = from_device(fused.taps), separate_taps = from_device(separate.taps);
+        const auto [fused_at, separate_at] = std::mismatch(fused_taps.begin(), fused_taps.end(), separate_taps.begin());
+        const long at = fused_at - fused_taps.begin();
+        EXPECT_EQ(fused_at, fused_taps.end())
+            << what << ": the taps differ first in row " << at / (2 * out_features)
+            << (at % (2 * out_features) < out_features ? ", residual" : ", normed") << " element " << at % out_features
+            << ": " << *fused_at << " against " << *separate_at;
         EXPECT_EQ(from_device(fused.counter)[0], 0u) << what;
       }
     }

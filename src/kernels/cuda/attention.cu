@@ -321,7 +321,6 @@ __global__ void __launch_bounds__(kDraftWarps * 32)
   wait_for_previous_kernel();
   start_next_kernel();
   extern __shared__ __align__(16) unsigned char shared[];
-  __shared__ bool merges;
   const int padded = head_dim + 2;
   bf16* keys = reinterpret_cast<bf16*>(shared);
   bf16* values = keys + kBlockSize * padded;
@@ -453,15 +452,7 @@ __global__ void __launch_bounds__(kDraftWarps * 32)
   if (splits == 1) return;
 
   // The last split of this (row, head) to finish merges all of them.
-  __threadfence();  // this block's partials are visible device-wide before its ticket is
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned finished = atomicAdd(counters + static_cast<long>(b) * heads + head, 1u);
-    merges = finished == static_cast<unsigned>(splits - 1);
-  }
-  __syncthreads();
-  if (!merges) return;
-  __threadfence();
+  if (!took_last_ticket(counters + static_cast<long>(b) * heads + head, splits)) return;
   // Only the splits that hold keys (the rest wrote nothing to add). Each
   // split's weight per query is computed once into shared memory; then every
   // output element issues all its splits' loads at once: a loop of dependent

@@ -69,6 +69,24 @@ __device__ __forceinline__ int argmax_index(unsigned long long key) {
   return static_cast<int>(0xffffffffu - static_cast<unsigned>(key & 0xffffffffu));
 }
 
+// A "last block to finish" ticket, taken by every block of a grid after its
+// threads have written what the last block will read: true (in every thread)
+// in the block that took the last of `count` tickets from *counter, which then
+// sees every block's writes. Thread 0's one acquire-release atomic orders the
+// block's writes (before the barrier) and acquires the others' (as CUTLASS's
+// barriers do), where a sequentially consistent fence in every thread before
+// and after the atomic made a longer chain (docs/PERF.md, stop 29).
+__device__ __forceinline__ bool took_last_ticket(unsigned* counter, unsigned count) {
+  __syncthreads();
+  bool last = false;
+  if (threadIdx.x == 0) {
+    unsigned ticket;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(ticket) : "l"(counter) : "memory");
+    last = ticket == count - 1;
+  }
+  return __syncthreads_or(last);
+}
+
 inline int ceil_div(long a, long b) { return static_cast<int>((a + b - 1) / b); }
 
 // ---- programmatic dependent launch (Hopper) ----

@@ -87,13 +87,7 @@ __device__ void residual_norm_rows(const ResidualNorm& norm, const bf16* delta, 
 // norms it (every block must call this).
 __device__ void finish_residual_norm(const ResidualNorm& norm, const bf16* delta, int rows, int dim, int vectors) {
   __shared__ float scratch[32];
-  __shared__ bool last;
-  __threadfence();  // this block's outputs are visible device-wide before its ticket is
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(norm.counter, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!took_last_ticket(norm.counter, gridDim.x)) return;
   switch (vectors) {
     case 1: residual_norm_rows<1>(norm, delta, rows, dim, scratch); break;
     case 2: residual_norm_rows<2>(norm, delta, rows, dim, scratch); break;
@@ -329,41 +323,40 @@ __global__ void __launch_bounds__(kMmaWarps * 32, FEW_WAVES ? kMmaFewWavesMinBlo
 #pragma unroll
     for (int i = 0; i < 4; ++i) partial[warp][t][i][lane] = sums[t][i];
   __syncthreads();
-  if (warp == 0) {
-    // Lane (g, c) holds fragment rows g (i = 0, 1) and g + 8 (i = 2, 3) for columns 2c and 2c + 1.
+  // Lane (g, c) holds fragment rows g (i = 0, 1) and g + 8 (i = 2, 3) for
+  // columns 2c and 2c + 1. The (tile, column j) pairs are dealt out one per
+  // warp, not all to warp 0: a 16-row product's four pairs (a 32-row one's
+  // eight) read and store in parallel, so the block frees its slot sooner;
+  // each pair still adds the warps' partials in warp order (the same bits).
+  for (int pair = warp; pair < TILES * 2; pair += kMmaWarps) {
+    const int t = pair / 2, j = pair % 2;
+    const int row = t * 8 + 2 * c + j;
+    if (row >= rows) continue;
+    float low_sum = 0.0f, high_sum = 0.0f;
 #pragma unroll
-    for (int t = 0; t < TILES; ++t) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int row = t * 8 + 2 * c + j;
-        if (row >= rows) continue;
-        float low_sum = 0.0f, high_sum = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kMmaWarps; ++w) low_sum += partial[w][t][j][lane], high_sum += partial[w][t][2 + j][lane];
-        if constexpr (kGated) {
-          if (!low_valid) continue;
-          if (bias) {
-            low_sum += __bfloat162float(bias[low]);
-            high_sum += __bfloat162float(bias[out_features + low]);
-          }
-          // rounded to bf16 as the gate|up buffer of the unfused path is
-          const float gate = __bfloat162float(__float2bfloat16(low_sum));
-          const float up = __bfloat162float(__float2bfloat16(high_sum));
-          static_cast<bf16*>(out)[static_cast<long>(row) * out_features + low] =
-              __float2bfloat16(gated<EPILOGUE>(gate, up));
-        } else {
-          auto store = [&](int feature, float total) {
-            if (bias) total += __bfloat162float(bias[feature]);
-            const long index = static_cast<long>(row) * out_features + feature;
-            if (out_f32)
-              static_cast<float*>(out)[index] = total;
-            else
-              static_cast<bf16*>(out)[index] = __float2bfloat16(total);
-          };
-          if (low_valid) store(low, low_sum);
-          if (high_valid) store(high, high_sum);
-        }
+    for (int w = 0; w < kMmaWarps; ++w) low_sum += partial[w][t][j][lane], high_sum += partial[w][t][2 + j][lane];
+    if constexpr (kGated) {
+      if (!low_valid) continue;
+      if (bias) {
+        low_sum += __bfloat162float(bias[low]);
+        high_sum += __bfloat162float(bias[out_features + low]);
       }
+      // rounded to bf16 as the gate|up buffer of the unfused path is
+      const float gate = __bfloat162float(__float2bfloat16(low_sum));
+      const float up = __bfloat162float(__float2bfloat16(high_sum));
+      static_cast<bf16*>(out)[static_cast<long>(row) * out_features + low] =
+          __float2bfloat16(gated<EPILOGUE>(gate, up));
+    } else {
+      auto store = [&](int feature, float total) {
+        if (bias) total += __bfloat162float(bias[feature]);
+        const long index = static_cast<long>(row) * out_features + feature;
+        if (out_f32)
+          static_cast<float*>(out)[index] = total;
+        else
+          static_cast<bf16*>(out)[index] = __float2bfloat16(total);
+      };
+      if (low_valid) store(low, low_sum);
+      if (high_valid) store(high, high_sum);
     }
   }
   if constexpr (EPILOGUE == Epilogue::ResidualNorm)

@@ -20,13 +20,14 @@ __device__ __forceinline__ void residual_add_rmsnorm_row(float* x, const bf16* d
                                                          float* scratch) {
   float4* row = reinterpret_cast<float4*>(x);
   const int vectors = dim / 4;
-  float4 values[VECTORS];
+  float4 values[VECTORS], weights[VECTORS];
   float sum_of_squares = 0.0f;
 #pragma unroll
   for (int j = 0; j < VECTORS; ++j) {
     const int i = threadIdx.x + j * kResidualNormThreads;
     if (i >= vectors) break;
     values[j] = row[i];
+    weights[j] = reinterpret_cast<const float4*>(weight)[i];  // with the row, not after the sum: one round trip
     if (delta) {
       const uint2 packed = __ldcg(reinterpret_cast<const uint2*>(delta) + i);
       const float2 low = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed.x));
@@ -43,7 +44,7 @@ __device__ __forceinline__ void residual_add_rmsnorm_row(float* x, const bf16* d
   for (int j = 0; j < VECTORS; ++j) {
     const int i = threadIdx.x + j * kResidualNormThreads;
     if (i >= vectors) break;
-    const float4 w = reinterpret_cast<const float4*>(weight)[i];
+    const float4 w = weights[j];
     const float4 normed = make_float4(values[j].x * scale * w.x, values[j].y * scale * w.y, values[j].z * scale * w.z,
                                       values[j].w * scale * w.w);
     __nv_bfloat162 packed[2] = {__floats2bfloat162_rn(normed.x, normed.y), __floats2bfloat162_rn(normed.z, normed.w)};
