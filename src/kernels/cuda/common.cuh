@@ -25,29 +25,16 @@ __device__ __forceinline__ float warp_max(float value) {
   return value;
 }
 
-// Block-wide sums of N values at once, for blockDim.x a multiple of 32 (<=
-// 1024): one pair of barriers for all N, each sum with block_sum's bits.
-// `scratch` is __shared__ float[32 * N]; every thread gets the results.
-template <int N>
-__device__ __forceinline__ void block_sums(float (&values)[N], float* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-#pragma unroll
-  for (int n = 0; n < N; ++n) values[n] = warp_sum(values[n]);
-  __syncthreads();  // scratch may still be read by a previous reduction
-  if (lane == 0)
-#pragma unroll
-    for (int n = 0; n < N; ++n) scratch[n * 32 + warp] = values[n];
-  __syncthreads();
-#pragma unroll
-  for (int n = 0; n < N; ++n) values[n] = warp_sum(lane < warps ? scratch[n * 32 + lane] : 0.0f);
-}
-
 // Block-wide sum / max for blockDim.x a multiple of 32 (<= 1024). `scratch`
 // is __shared__ float[32]; every thread gets the result.
 __device__ __forceinline__ float block_sum(float value, float* scratch) {
-  float values[1] = {value};
-  block_sums(values, scratch);
-  return values[0];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  value = warp_sum(value);
+  __syncthreads();  // scratch may still be read by a previous reduction
+  if (lane == 0) scratch[warp] = value;
+  __syncthreads();
+  value = lane < warps ? scratch[lane] : 0.0f;
+  return warp_sum(value);
 }
 
 __device__ __forceinline__ float block_max(float value, float* scratch) {

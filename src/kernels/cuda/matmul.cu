@@ -73,55 +73,26 @@ __device__ __forceinline__ float gated(float gate, float up) {
   return gelu_tanh(gate) * up;                                                         // as gelu_tanh_gate_forward
 }
 
-// Rows the GEMV's last block norms at once (residual_add_rmsnorm_rows): their
-// loads in flight together and one block reduction for all, where a row
-// after another was a chain of round trips per row (a 16-row verify step's
-// tails, two a layer, cost ~5 us more than a decode step's). The rows' float4s
-// stay within the GEMV's 80 registers.
 template <int VECTORS>
-constexpr int kNormRowsAtOnce = VECTORS <= 2 ? 4 : 1;
-
-// Rows r .. r + ROWS - 1 of the ResidualNorm epilogue.
-template <int VECTORS, int ROWS>
-__device__ void residual_norm_row_group(const ResidualNorm& norm, const bf16* delta, int r, int dim, float* scratch) {
-  residual_add_rmsnorm_rows<VECTORS, ROWS>(
-      norm.residual + long(r) * dim, delta + long(r) * dim, norm.normed + long(r) * dim, norm.weight, dim, norm.eps,
-      norm.residual_tap ? norm.residual_tap + r * norm.tap_stride : nullptr,
-      norm.normed_tap ? norm.normed_tap + r * norm.tap_stride : nullptr, norm.tap_stride, scratch);
-}
-
-template <int VECTORS, bool GROUP_ROWS>
 __device__ void residual_norm_rows(const ResidualNorm& norm, const bf16* delta, int rows, int dim, float* scratch) {
-  constexpr int kGroup = GROUP_ROWS ? kNormRowsAtOnce<VECTORS> : 1;
-  int r = 0;
-  for (; r + kGroup <= rows; r += kGroup) residual_norm_row_group<VECTORS, kGroup>(norm, delta, r, dim, scratch);
-  for (; r < rows; ++r) residual_norm_row_group<VECTORS, 1>(norm, delta, r, dim, scratch);
+  for (int r = 0; r < rows; ++r)
+    residual_add_rmsnorm_row<VECTORS>(norm.residual + long(r) * dim, delta + long(r) * dim,
+                                      norm.normed + long(r) * dim, norm.weight, dim, norm.eps,
+                                      norm.residual_tap ? norm.residual_tap + r * norm.tap_stride : nullptr,
+                                      norm.normed_tap ? norm.normed_tap + r * norm.tap_stride : nullptr, scratch);
 }
 
 // The ResidualNorm epilogue, after a block has written its part of `delta`:
 // the grid's last block to finish adds every row into the residual stream and
-// norms it (every block must call this). GROUP_ROWS: kNormRowsAtOnce rows at
-// a time (the tensor-core GEMV: the target's verify rows); the CUDA-core
-// GEMV (the drafter's 7-8 rows) norms one row at a time, as its registers
-// grew by up to 25 with the groups and its step was no faster (PERF.md,
-// stop 30). Either way a row gets the same bits.
-template <bool GROUP_ROWS>
+// norms it (every block must call this).
 __device__ void finish_residual_norm(const ResidualNorm& norm, const bf16* delta, int rows, int dim, int vectors) {
-  __shared__ float scratch[32 * kNormRowsAtOnce<1>];
+  __shared__ float scratch[32];
   if (!took_last_ticket(norm.counter, gridDim.x)) return;
   switch (vectors) {
-    case 1:
-      residual_norm_rows<1, GROUP_ROWS>(norm, delta, rows, dim, scratch);
-      break;
-    case 2:
-      residual_norm_rows<2, GROUP_ROWS>(norm, delta, rows, dim, scratch);
-      break;
-    case 4:
-      residual_norm_rows<4, GROUP_ROWS>(norm, delta, rows, dim, scratch);
-      break;
-    default:
-      residual_norm_rows<8, GROUP_ROWS>(norm, delta, rows, dim, scratch);
-      break;
+    case 1: residual_norm_rows<1>(norm, delta, rows, dim, scratch); break;
+    case 2: residual_norm_rows<2>(norm, delta, rows, dim, scratch); break;
+    case 4: residual_norm_rows<4>(norm, delta, rows, dim, scratch); break;
+    default: residual_norm_rows<8>(norm, delta, rows, dim, scratch); break;
   }
   if (threadIdx.x == 0) *norm.counter = 0;  // ready for the next launch
 }
@@ -204,7 +175,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     }
   }
   if constexpr (EPILOGUE == Epilogue::ResidualNorm)
-    finish_residual_norm<false>(norm, static_cast<const bf16*>(out), ROWS, out_features, residual_norm_vectors);
+    finish_residual_norm(norm, static_cast<const bf16*>(out), ROWS, out_features, residual_norm_vectors);
 }
 
 template <int ROWS, Epilogue EPILOGUE>
@@ -389,7 +360,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, FEW_WAVES ? kMmaFewWavesMinBlo
     }
   }
   if constexpr (EPILOGUE == Epilogue::ResidualNorm)
-    finish_residual_norm<true>(norm, static_cast<const bf16*>(out), rows, out_features, residual_norm_vectors);
+    finish_residual_norm(norm, static_cast<const bf16*>(out), rows, out_features, residual_norm_vectors);
 }
 
 // few_waves: a product of one row tile and more than one wave may take the FEW_WAVES kernel.

@@ -37,7 +37,7 @@ __global__ void residual_add_rmsnorm_kernel(float* residual, const bf16* delta, 
 }
 
 // The same with float4 / 4 x bf16 accesses and the row held in registers
-// (residual_add_rmsnorm_rows).
+// (residual_add_rmsnorm_row).
 template <int VECTORS>
 __global__ void __launch_bounds__(kResidualNormThreads)
     residual_add_rmsnorm_vector_kernel(float* residual, const bf16* delta, bf16* out, const float* weight, int dim,
@@ -46,9 +46,9 @@ __global__ void __launch_bounds__(kResidualNormThreads)
   start_next_kernel();
   __shared__ float scratch[32];
   const long row = blockIdx.x;
-  residual_add_rmsnorm_rows<VECTORS>(residual + row * dim, delta ? delta + row * dim : nullptr, out + row * dim, weight,
-                                     dim, eps, residual_tap ? residual_tap + row * tap_stride : nullptr,
-                                     normed_tap ? normed_tap + row * tap_stride : nullptr, tap_stride, scratch);
+  residual_add_rmsnorm_row<VECTORS>(residual + row * dim, delta ? delta + row * dim : nullptr, out + row * dim, weight,
+                                    dim, eps, residual_tap ? residual_tap + row * tap_stride : nullptr,
+                                    normed_tap ? normed_tap + row * tap_stride : nullptr, scratch);
 }
 
 void launch(float* residual, const bf16* delta, bf16* out, const float* weight, int rows, int dim, float eps,
