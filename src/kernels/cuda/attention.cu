@@ -13,14 +13,6 @@ namespace {
 constexpr int kWarps = 16;
 constexpr int kRowsPerWarp = kAttentionRowsPerBlock / kWarps;
 
-// Four consecutive bf16 (8-byte aligned) as floats, in one load.
-__device__ __forceinline__ float4 bf16x4_to_float4(const bf16* source) {
-  const uint2 bits = *reinterpret_cast<const uint2*>(source);
-  const float2 low = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits.x));
-  const float2 high = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits.y));
-  return make_float4(low.x, low.y, high.x, high.y);
-}
-
 // grid: x = KV split, y = kv head, z = sequence * row_blocks + row block.
 // Each CTA streams its KV range tile by tile (kBlockSize positions, one cache
 // block) through shared memory; each warp keeps an online softmax for

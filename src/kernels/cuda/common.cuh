@@ -47,6 +47,18 @@ __device__ __forceinline__ float block_max(float value, float* scratch) {
   return warp_max(value);
 }
 
+// Four bf16 packed in 8 bytes (low half first) as floats.
+__device__ __forceinline__ float4 bf16x4_to_float4(uint2 bits) {
+  const float2 low = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits.x));
+  const float2 high = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits.y));
+  return make_float4(low.x, low.y, high.x, high.y);
+}
+
+// Four consecutive bf16 (8-byte aligned) as floats, in one load.
+__device__ __forceinline__ float4 bf16x4_to_float4(const bf16* source) {
+  return bf16x4_to_float4(*reinterpret_cast<const uint2*>(source));
+}
+
 // gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), as kernels/cpu/activation.cpp,
 // written as x * sigmoid(2u) (the same function: 0.5 (1 + tanh(u)) = sigmoid(2u)) so that it costs one
 // fast exponential.

@@ -44,9 +44,8 @@ __device__ __forceinline__ void residual_add_rmsnorm_row(float* x, const bf16* d
     if (i >= vectors) break;
     float4& value = values[j];
     if (delta) {
-      const float2 low = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&deltas[j].x));
-      const float2 high = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&deltas[j].y));
-      value.x += low.x, value.y += low.y, value.z += high.x, value.w += high.y;
+      const float4 added = bf16x4_to_float4(deltas[j]);
+      value.x += added.x, value.y += added.y, value.z += added.z, value.w += added.w;
       row[i] = value;
     }
     if (residual_tap) reinterpret_cast<float4*>(residual_tap)[i] = value;
@@ -63,8 +62,9 @@ __device__ __forceinline__ void residual_add_rmsnorm_row(float* x, const bf16* d
     const int i = threadIdx.x + j * kResidualNormThreads;
     if (i >= vectors) break;
     const float4 w = kWeightWithRow ? weights[j] : reinterpret_cast<const float4*>(weight)[i];
-    const float4 normed = make_float4(values[j].x * scale * w.x, values[j].y * scale * w.y, values[j].z * scale * w.z,
-                                      values[j].w * scale * w.w);
+    const float4 value = values[j];
+    const float4 normed =
+        make_float4(value.x * scale * w.x, value.y * scale * w.y, value.z * scale * w.z, value.w * scale * w.w);
     __nv_bfloat162 packed[2] = {__floats2bfloat162_rn(normed.x, normed.y), __floats2bfloat162_rn(normed.z, normed.w)};
     reinterpret_cast<uint2*>(out)[i] = *reinterpret_cast<const uint2*>(packed);
     if (normed_tap) reinterpret_cast<float4*>(normed_tap)[i] = normed;
