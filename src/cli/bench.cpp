@@ -511,6 +511,7 @@ struct BenchDraftFlags {
   int batch = 1;
   int context = 512;
   int runs = 50;
+  bool after_target = false;  // each timed draft step follows an untimed target step, as in decoding
   bool json = false;
 };
 
@@ -571,11 +572,34 @@ void run_bench_draft(const BenchDraftFlags& flags) {
   CUDA_CHECK(cudaEventCreate(&stop));
   constexpr int kWarmup = 3;  // the first step of a bucket runs eagerly and is captured; then replays
 
+  // B target sequences at the same context, and one decode step of all of them, rolled back after.
+  std::vector<int> sequences;
+  std::vector<int32_t> prompt(flags.context), next(flags.batch);
+  for (int b = 0; b < flags.batch; ++b) {
+    for (int32_t& token : prompt) token = int32_t(rng.next() % c.vocab_size);
+    sequences.push_back(target->create_sequence(flags.context + 1));
+    TargetInput input{sequences.back(), prompt, false};
+    TargetResult result;
+    target->forward({&input, 1}, TargetRequest{}, result);
+    next[b] = result.tokens[0];
+  }
+  std::vector<TargetInput> inputs;
+  TargetResult result;
+  auto target_step = [&] {
+    inputs.clear();
+    for (int b = 0; b < flags.batch; ++b) inputs.push_back({sequences[b], {&next[b], 1}, false});
+    const double milliseconds =
+        event_milliseconds(head.stream, start, stop, [&] { target->forward(inputs, TargetRequest{}, result); });
+    for (int sequence : sequences) target->truncate_sequence(sequence, flags.context);
+    return milliseconds;
+  };
+
   // The draft step: every position drafted (no thresholds, no floor).
   gpu.enable_step_timing(true);
   std::vector<DraftResult> results;
   std::vector<double> draft_ms, draft_device_ms, draft_host_ms;
   for (int run = 0; run < kWarmup + flags.runs; ++run) {
+    if (flags.after_target) target_step();  // its weights, not the drafter's, are what L2 holds then
     const auto host_start = std::chrono::steady_clock::now();
     const double milliseconds =
         event_milliseconds(gpu.stream(), start, stop, [&] { gpu.draft(requests, DraftOptions{}, results); });
@@ -597,28 +621,12 @@ void run_bench_draft(const BenchDraftFlags& flags) {
     if (run >= kWarmup) extend_ms.push_back(milliseconds);
   }
 
-  // One target decode step at the same batch and context, rolled back after each run.
-  std::vector<int> sequences;
-  std::vector<int32_t> prompt(flags.context), next(flags.batch);
-  std::vector<TargetInput> inputs;
-  for (int b = 0; b < flags.batch; ++b) {
-    for (int32_t& token : prompt) token = int32_t(rng.next() % c.vocab_size);
-    sequences.push_back(target->create_sequence(flags.context + 1));
-    TargetInput input{sequences.back(), prompt, false};
-    TargetResult result;
-    target->forward({&input, 1}, TargetRequest{}, result);
-    next[b] = result.tokens[0];
-  }
+  // One target decode step at the same batch and context.
   std::vector<double> target_ms, target_host_ms;
-  TargetResult result;
   for (int run = 0; run < kWarmup + flags.runs; ++run) {
-    inputs.clear();
-    for (int b = 0; b < flags.batch; ++b) inputs.push_back({sequences[b], {&next[b], 1}, false});
     const auto host_start = std::chrono::steady_clock::now();
-    const double milliseconds =
-        event_milliseconds(head.stream, start, stop, [&] { target->forward(inputs, TargetRequest{}, result); });
+    const double milliseconds = target_step();
     const double host = std::chrono::duration<double>(std::chrono::steady_clock::now() - host_start).count() * 1e3;
-    for (int sequence : sequences) target->truncate_sequence(sequence, flags.context);
     if (run < kWarmup) continue;
     target_ms.push_back(milliseconds);
     target_host_ms.push_back(host);
@@ -642,6 +650,7 @@ void run_bench_draft(const BenchDraftFlags& flags) {
               {"batch", flags.batch},
               {"context", flags.context},
               {"runs", flags.runs},
+              {"after_target", flags.after_target},
               {"draft_ms", draft},
               {"draft_device_ms", median(draft_device_ms)},
               {"draft_host_ms", median(draft_host_ms)},
@@ -657,8 +666,8 @@ void run_bench_draft(const BenchDraftFlags& flags) {
   std::printf("%s; %s head, gamma %d, d %d, %d layers; batch %d, context %d; median of %d\n",
               out["device"].get<std::string>().c_str(), config.seq_head.c_str(), gamma, config.d_draft,
               config.num_layers, flags.batch, flags.context, flags.runs);
-  std::printf("draft step   %8.3f ms (device %.3f ms, host %.3f ms)\n", draft, median(draft_device_ms),
-              median(draft_host_ms));
+  std::printf("draft step   %8.3f ms (device %.3f ms, host %.3f ms)%s\n", draft, median(draft_device_ms),
+              median(draft_host_ms), flags.after_target ? ", each after a target step" : "");
   std::printf("extend %2d rows %6.3f ms\n", gamma + 1, median(extend_ms));
   std::printf("target decode %7.3f ms (host %.3f ms)\n", decode, median(target_host_ms));
   std::printf("draft / decode = %.1f%% (with the extension %.1f%%)\n", 100.0 * ratio,
@@ -743,6 +752,8 @@ void add_bench_command(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   draft->add_option("--runs", draft_flags->runs, "timed steps (after 3 warm-up steps)")->capture_default_str()
       ->check(CLI::Range(1, 100000));
+  draft->add_flag("--after-target", draft_flags->after_target,
+                  "time each draft step after an (untimed) target decode step, as in decoding");
   draft->add_flag("--json", draft_flags->json, "print one JSON object");
   draft->callback([draft_flags] { run_bench_draft(*draft_flags); });
 }

@@ -235,6 +235,7 @@ class CudaDrafter {
   cuda::DeviceBuffer<unsigned long long> argmax_keys_;  // [γ, B] greedy token selection
   cuda::DeviceBuffer<unsigned> counters_;
   cuda::DeviceBuffer<unsigned> norm_counter_;  // the fused GEMV + norm's block count, 0 between launches
+  cuda::DeviceBuffer<unsigned> head_barrier_;  // the one-launch Markov head's grid barrier (arrived, generation)
   cuda::PinnedBuffer<int32_t> results_host_;
   cuda::PinnedBuffer<float> logits_host_;
   std::vector<double> uniforms_;  // [γ, B] this step's uniforms, as drawn

@@ -311,6 +311,105 @@ TEST(CudaDraftOps, SequentialHeadPrepareConfidenceAndPruning) {
   }
 }
 
+TEST(CudaDraftOps, OneLaunchMarkovHeadEqualsThePerPositionKernels) {
+  // markov_head_forward against sequential_head_prepare_forward + matmul_in_out_argmax_forward per position +
+  // argmax_tokens_forward: the same logits, keys, tokens, counts and alive rows, bit for bit; confidences up to
+  // their dot product's order. Qwen3-8B's vocabulary at rank 64 (weights in registers and shared memory), the demo
+  // drafter's shape, small ones, row groups of 1, 2 and 4 (6 = 4 + 2), a padding row, pruning, every row pruned.
+  enum class Floor { None, Between, Above };  // none; between row 0's confidences; above every confidence
+  struct Case {
+    int B, r, V;
+    Floor floor;
+  };
+  const int gamma = 7, d = 40;
+  DeviceBuffer<unsigned> barrier(2);  // zeroed once: every launch leaves it ready for the next
+  CUDA_CHECK(cudaMemset(barrier.data(), 0, barrier.bytes()));
+  EXPECT_FALSE(cuda::markov_head_supported(1, gamma, 256, 151936, nullptr)) << "Qwen3-8B's w2 does not fit on chip";
+  for (const Case& test :
+       {Case{1, 64, 151936, Floor::None}, Case{1, 64, 8192, Floor::None}, Case{2, 128, 50000, Floor::Between},
+        Case{3, 16, 1000, Floor::None}, Case{6, 64, 8192, Floor::Between}, Case{4, 8, 512, Floor::Above}}) {
+    const int B = test.B, r = test.r, V = test.V;
+    const std::string what = "B " + std::to_string(B) + " r " + std::to_string(r) + " V " + std::to_string(V);
+    Rng rng(B * 131 + r);
+    std::vector<int32_t> anchors(B), limits(B, gamma);
+    for (int32_t& anchor : anchors) anchor = int32_t(rng.next() % V);
+    if (B >= 3) limits[1] = 0, limits[2] = 3;  // a padding row; a row cut at 3
+    const auto w1 = bf16_rounded(random_values(size_t(V) * r, 200 + B, 1.0f));
+    const auto w2 = bf16_rounded(random_values(size_t(r) * V, 300 + B, 1.0f));
+    const auto hidden = random_values(size_t(gamma) * B * d, 400 + B);
+    const auto lm_logits = random_values(size_t(gamma) * B * V, 500 + B, 4.0f);
+    const auto confidence_weight = random_values(d + r, 600 + B, 0.3f);
+    const std::vector<float> bias = {0.2f}, temperatures = {1.0f, 0.9f, 1.1f, 1.3f, 0.8f, 1.0f, 1.2f};
+    cuda::DraftControl control{};
+    auto w1_device = to_device_bf16(w1), w2_device = to_device_bf16(w2);
+    auto weight_device = to_device(confidence_weight), bias_device = to_device(bias);
+    auto temperatures_device = to_device(temperatures), hidden_device = to_device(hidden);
+    auto anchors_device = to_device(anchors), limits_device = to_device(limits);
+    DeviceBuffer<cuda::DraftControl> control_device(1);
+    auto set_control = [&] {
+      CUDA_CHECK(cudaMemcpy(control_device.data(), &control, sizeof(control), cudaMemcpyHostToDevice));
+    };
+    set_control();
+    const cuda::SequentialHeadWeights weights{w1_device.data(), weight_device.data(), bias_device.data(),
+                                              temperatures_device.data()};
+    ASSERT_TRUE(cuda::markov_head_supported(B, gamma, r, V, w2_device.data())) << what;
+    struct Outputs {
+      std::vector<float> logits, confidence;
+      std::vector<int32_t> tokens, count, alive_rows;
+    };
+    auto run = [&](bool one_launch) {
+      auto logits = to_device(lm_logits);
+      auto keys = to_device(std::vector<unsigned long long>(size_t(gamma) * B, 0));
+      auto alive_rows = to_device(std::vector<int32_t>(gamma, 0));
+      DeviceBuffer<int32_t> tokens(gamma * B), alive(B), count(B);
+      DeviceBuffer<float> confidence(gamma * B), e(B * r);
+      const cuda::SequentialHeadState head{anchors_device.data(), limits_device.data(), tokens.data(),
+                                           keys.data(),           confidence.data(),    alive.data(),
+                                           count.data(),          alive_rows.data()};
+      if (one_launch) {
+        cuda::markov_head_forward(logits.data(), keys.data(), w2_device.data(), hidden_device.data(), B, gamma, r, d, V,
+                                  weights, control_device.data(), head, barrier.data(), nullptr);
+      } else {
+        for (int k = 0; k < gamma; ++k) {
+          cuda::sequential_head_prepare_forward(e.data(), nullptr, nullptr, hidden_device.data(), k, B, r, d, V,
+                                                cuda::SequentialHeadKind::Markov, weights, control_device.data(), head,
+                                                nullptr);
+          cuda::matmul_in_out_argmax_forward(logits.data() + size_t(k) * B * V, e.data(), w2_device.data(), nullptr, B,
+                                             r, V, true, keys.data() + k * B, alive_rows.data() + k, nullptr);
+        }
+        cuda::argmax_tokens_forward(tokens.data(), keys.data(), gamma * B, nullptr);
+      }
+      return Outputs{from_device(logits), from_device(confidence), from_device(tokens), from_device(count),
+                     from_device(alive_rows)};
+    };
+    if (test.floor == Floor::Above) {
+      control.min_confidence = 1.1f;
+    } else if (test.floor == Floor::Between) {  // between row 0's 3rd and 4th smallest confidences at positions 1..6
+      const std::vector<float> unpruned = run(false).confidence;
+      std::vector<float> row;
+      for (int k = 1; k < gamma; ++k) row.push_back(unpruned[k * B]);
+      std::sort(row.begin(), row.end());
+      control.min_confidence = 0.5f * (row[2] + row[3]);
+    }
+    set_control();
+    const Outputs expected = run(false), got = run(true), again = run(true);
+    EXPECT_TRUE(again.logits == got.logits && again.tokens == got.tokens) << what << ": a second launch differs";
+    EXPECT_EQ(got.count, expected.count) << what;
+    EXPECT_EQ(got.alive_rows, expected.alive_rows) << what;
+    int drafted = 0;  // positions some row drafted: the rest are skipped by both
+    while (drafted < gamma && expected.alive_rows[drafted] > 0) ++drafted;
+    if (test.floor == Floor::Above) {
+      EXPECT_EQ(drafted, 1) << what << ": a floor above every confidence keeps position 0 alone";
+    } else if (test.floor == Floor::Between) {
+      EXPECT_LT(expected.count[0], gamma) << what << ": the floor prunes nothing (the case tests less than it says)";
+    }
+    for (int i = 0; i < drafted * B; ++i)
+      EXPECT_NEAR(got.confidence[i], expected.confidence[i], 1e-5) << what << " slot " << i;
+    EXPECT_EQ(got.tokens, expected.tokens) << what;
+    EXPECT_TRUE(got.logits == expected.logits) << what << ": logits differ";
+  }
+}
+
 TEST(CudaDraftOps, RecurrentUpdatesMatchTheFormulas) {
   const int B = 3, r = 300;
   const auto e = random_values(B * r, 100), state = random_values(B * r, 101);

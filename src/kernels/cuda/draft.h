@@ -64,6 +64,24 @@ void sequential_head_prepare_forward(float* e, float* recurrent_input, float* st
                                      const SequentialHeadWeights& weights, const DraftControl* control,
                                      const SequentialHeadState& head, cudaStream_t stream);
 
+// The greedy Markov head's γ positions for every row in one launch, with the
+// results of sequential_head_prepare_forward, matmul_in_out_argmax_forward
+// (e_k @ w2 added into logits [γ*B, V], which hold the LM head's logits) and
+// argmax_tokens_forward at each position: the same logits, keys and tokens,
+// and confidences equal up to the order of their dot product's sum. Blocks
+// meet at a grid barrier after each position and keep their share of w2 on
+// chip across positions. argmax_keys [γ, B] zeroed before; barrier: two
+// unsigned, zeroed once, left as they were found. Supported
+// (markov_head_supported): rank and vocab multiples of 8, w2 16-byte aligned,
+// γ <= kMaxDraftGamma, and each block's share of w2 (with B rows' scratch)
+// within its registers and shared memory: the demo drafter's 1 MB, not
+// Qwen3-8B's 78 MB.
+bool markov_head_supported(int rows, int gamma, int rank, int vocab, const __nv_bfloat16* w2);
+void markov_head_forward(float* logits, unsigned long long* argmax_keys, const __nv_bfloat16* w2, const float* hidden,
+                         int rows, int gamma, int rank, int width, int vocab, const SequentialHeadWeights& weights,
+                         const DraftControl* control, const SequentialHeadState& head, unsigned* barrier,
+                         cudaStream_t stream);
+
 // The recurrent state update after the recurrent matmul, for every row:
 // RNN: state = tanh(pre + e) (pre = s @ wH + bH, [B, r]);
 // GRU: g, c, o = split3(pre) (pre = z @ wJ + bJ, [B, 3r]); keep = σ(g);

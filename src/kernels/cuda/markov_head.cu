@@ -1,0 +1,380 @@
+// The greedy Markov head of a draft step in one persistent launch
+// (markov_head_forward in draft.h).
+//
+// Why one launch: position k needs x_{k-1}, the argmax of the whole
+// vocabulary at k-1, so the per-position kernels launch a prepare and a
+// product kernel per position and read all of markov.w2 (r x V bf16) at each.
+// Here each of one block per multiprocessor owns a fixed slice of the
+// vocabulary for every position: it loads its slice's weights once a step
+// into registers and shared memory, and the blocks meet at a grid barrier
+// after each position, when every row's argmax key is complete. Only where
+// the whole of w2 fits on chip: at Qwen3-8B's vocabulary (78 MB at r 256)
+// a version that streamed the rest from memory at every position was slower
+// than the per-position kernels (one block of 12 warps per multiprocessor
+// keeps too few loads in flight; docs/PERF.md, stop 31).
+//
+// A block's columns come in groups of 128 = 16 octets (8 columns, one 16-byte
+// load) x 8 slices (input features i = slice, slice + 8, ...); thread t's
+// (octet, slice) pairs are p = t, t + 384, ... (p % 16 the octet, p / 16 % 8
+// the slice, p / 128 the group): a half-warp reads 256 consecutive bytes of
+// one weight row. Each column's sum is formed exactly as the per-position
+// kernel (matmul_in_out_argmax_forward) forms it: per slice in feature order,
+// then the slices in order, then the LM head's logit: the logits and tokens
+// are the same bits.
+#include <algorithm>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/device.h"
+#include "kernels/cuda/draft.h"
+
+namespace dspark::cuda {
+namespace {
+
+constexpr int kThreads = 384;  // a multiple of the 128 pairs of a group: every thread's pairs have one slice
+constexpr int kWarps = kThreads / 32;
+constexpr int kSlices = 8;
+constexpr int kGroupColumns = 128;
+constexpr int kMaxRows = 4;  // rows per pass over the weights; more rows run in groups of 4
+
+// Weight loads (16 bytes each) a thread keeps in registers: as many as fit
+// beside its ROWS x 8 sums within the 168 registers one block of 384 threads
+// per multiprocessor allows; the rest are kept in shared memory.
+template <int ROWS>
+constexpr int kRegisterLoads = ROWS == 1   ? 12
+                               : ROWS == 2 ? 10
+                                           : 8;
+
+struct Plan {
+  int columns;       // per block: a multiple of kGroupColumns
+  int pairs;         // (octet, slice) pairs per thread
+  int loads;         // weight loads per pair: rank / 8
+  int shared_loads;  // loads per thread kept in shared memory (after the register ones): all the rest
+};
+
+// The sums of the rows' 8 columns += x[r][feature] * w (w: 8 bf16).
+template <int ROWS>
+__device__ __forceinline__ void accumulate(float (&sums)[ROWS][8], uint4 packed, const float* x, int rank,
+                                           int feature) {
+  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
+  float w[8];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 pair = __bfloat1622float2(pairs[j]);
+    w[2 * j] = pair.x, w[2 * j + 1] = pair.y;
+  }
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const float value = x[r * rank + feature];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) sums[r][j] += value * w[j];
+  }
+}
+
+// Every block waits here until all blocks have arrived; what each wrote before
+// is visible to all after. arrived returns to 0 at each barrier, generation
+// only grows (both zeroed once, at allocation). It needs every block of the
+// grid resident at once: the grid is at most one block per multiprocessor,
+// and the kernel never calls start_next_kernel(), so no later kernel takes a
+// multiprocessor before all of its blocks have one.
+__device__ __forceinline__ void grid_barrier(unsigned* arrived, unsigned* generation, unsigned blocks) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned current, ticket, now;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(current) : "l"(generation) : "memory");
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(ticket) : "l"(arrived) : "memory");
+    if (ticket == blocks - 1) {
+      asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" ::"l"(arrived) : "memory");
+      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(generation) : "memory");
+    } else {
+      do {
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(generation) : "memory");
+      } while (now == current);
+    }
+  }
+  __syncthreads();
+}
+
+// BYTES (4 or 16) from global to shared memory without registers; complete at cp.async.wait_all.
+template <int BYTES = 16>
+__device__ __forceinline__ void copy_to_shared_async(void* destination, const void* source) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(destination));
+  if constexpr (BYTES == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(source) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(address), "l"(source) : "memory");
+}
+
+// Dynamic shared memory: the cached weights [shared_loads][kThreads] uint4,
+// the slices' sums [ROWS][kSlices][columns], the LM head's logits of the
+// block's columns [ROWS][columns], x [ROWS][rank], the confidence logits'
+// hidden part [γ * rows], previous tokens [rows], alive flags [rows].
+template <int ROWS>
+__global__ void __launch_bounds__(kThreads, 1)
+    markov_head_kernel(float* logits, unsigned long long* argmax_keys, const bf16* w2, const float* hidden, int rows,
+                       int gamma, int rank, int width, int vocab, SequentialHeadWeights weights,
+                       const DraftControl* control, SequentialHeadState head, Plan plan, unsigned* barrier) {
+  constexpr int kRegisters = kRegisterLoads<ROWS>;
+  extern __shared__ __align__(16) unsigned char shared[];
+  uint4* cache = reinterpret_cast<uint4*>(shared);
+  float* partial = reinterpret_cast<float*>(cache + static_cast<long>(plan.shared_loads) * kThreads);
+  float* lm_logits = partial + ROWS * kSlices * plan.columns;
+  float* x = lm_logits + ROWS * plan.columns;
+  float* hidden_part = x + ROWS * rank;
+  int* previous = reinterpret_cast<int*>(hidden_part + gamma * rows);
+  int* alive = previous + rows;
+  __shared__ unsigned long long warp_keys[ROWS][kWarps];
+
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int slice = (t / 16) % kSlices;
+  const int first_column = blockIdx.x * plan.columns;
+  const int loads = plan.loads, total_loads = plan.pairs * loads;
+  auto column_of = [&](int pair) {  // pair j's first column; past the block or the vocabulary: no pair
+    const int p = t + pair * kThreads;
+    return first_column + (p / kGroupColumns) * kGroupColumns + (p % 16) * 8;
+  };
+  auto has_pair = [&](int pair) {
+    const int column = column_of(pair);
+    return column < vocab && column < first_column + plan.columns;
+  };
+  auto weight_at = [&](int q) {  // load q of this thread: pair q / loads, feature slice + 8 (q % loads)
+    return reinterpret_cast<const uint4*>(w2 + static_cast<long>(slice + 8 * (q % loads)) * vocab +
+                                          column_of(q / loads));
+  };
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+
+  // The block's weights, loaded before the wait for the LM head (no kernel writes them).
+  uint4 registers[kRegisters];
+#pragma unroll
+  for (int q = 0; q < kRegisters; ++q)
+    registers[q] = q < total_loads && has_pair(q / loads) ? __ldcs(weight_at(q)) : zero;
+  for (int q = kRegisters; q < total_loads; ++q) {
+    uint4* slot = cache + static_cast<long>(q - kRegisters) * kThreads + t;
+    if (has_pair(q / loads))
+      copy_to_shared_async(slot, weight_at(q));
+    else
+      *slot = zero;
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+  for (int i = t; i < ROWS * rank; i += kThreads) x[i] = 0.0f;  // rows past the batch stay 0
+
+  wait_for_previous_kernel();
+  // The confidence logit's hidden part, w_h . h_k, for every position and row.
+  for (int i = warp; i < gamma * rows; i += kWarps) {
+    const float* h = hidden + static_cast<long>(i) * width;
+    float dot = 0.0f;
+    for (int f = lane; f < width; f += 32) dot += h[f] * weights.confidence_weight[f];
+    dot = warp_sum(dot);
+    if (lane == 0) hidden_part[i] = dot;
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncthreads();
+
+  for (int k = 0; k < gamma; ++k) {
+    // x_{k-1}, e_k (into x for the first rows), c_k and pruning for every row, as
+    // sequential_head_prepare_forward; every block reaches the same verdicts, block 0 writes them.
+    for (int b = warp; b < rows; b += kWarps) {
+      int token = k == 0 ? head.anchors[b] : argmax_index(__ldcg(argmax_keys + static_cast<long>(k - 1) * rows + b));
+      token = min(max(token, 0), vocab - 1);  // a pruned row's later tokens are never used, but stay in range
+      const bf16* e = weights.embedding + static_cast<long>(token) * rank;
+      float dot = 0.0f;
+      for (int i = lane; i < rank; i += 32) {
+        const float value = __bfloat162float(e[i]);
+        if (b < ROWS) x[b * rank + i] = value;
+        dot += value * weights.confidence_weight[width + i];
+      }
+      dot = warp_sum(dot);
+      if (lane == 0) {
+        previous[b] = token;
+        const float logit = (hidden_part[k * rows + b] + dot + weights.confidence_bias[0]) / weights.temperatures[k];
+        const float confidence = 1.0f / (1.0f + expf(-logit));
+        const bool below =
+            (control->has_thresholds && confidence < control->thresholds[k]) || confidence < control->min_confidence;
+        bool kept = k == 0 || alive[b] != 0;
+        if (k >= head.limits[b] || (k >= 1 && below)) kept = false;  // position 0 is always kept
+        alive[b] = kept;
+        if (blockIdx.x == 0) {
+          head.confidence[k * rows + b] = confidence;
+          head.alive[b] = kept;
+          if (k == 0) head.count[b] = 0;
+          if (kept) head.count[b] = k + 1;
+        }
+      }
+    }
+    __syncthreads();
+    int alive_count = 0;
+    for (int b = 0; b < rows; ++b) alive_count += alive[b];
+    if (blockIdx.x == 0 && t == 0) head.alive_rows[k] = alive_count;
+    if (alive_count == 0) break;  // the same in every block: no later position is drafted
+
+    // L_k += e_k @ w2 and the argmax keys, ROWS rows at a time.
+    for (int first_row = 0; first_row < rows; first_row += ROWS) {
+      const int group_rows = min(ROWS, rows - first_row);
+      float* position_logits = logits + (static_cast<long>(k) * rows + first_row) * vocab + first_column;
+      const int columns = min(plan.columns, vocab - first_column);
+      for (int i = t; i < group_rows * plan.columns; i += kThreads) {  // read while the products run
+        const int r = i / plan.columns, c = i % plan.columns;
+        if (c < columns) copy_to_shared_async<4>(lm_logits + i, position_logits + static_cast<long>(r) * vocab + c);
+      }
+      asm volatile("cp.async.commit_group;" ::: "memory");
+      if (first_row > 0) {  // the first group's x came with the prepare
+        for (int i = t; i < ROWS * rank; i += kThreads) {
+          const int r = i / rank;
+          x[i] = r < group_rows
+                     ? __bfloat162float(weights.embedding[static_cast<long>(previous[first_row + r]) * rank + i % rank])
+                     : 0.0f;
+        }
+        __syncthreads();
+      }
+      float sums[ROWS][8];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) sums[r][j] = 0.0f;
+      int pair = 0, n = 0;
+      auto add = [&](uint4 packed) {  // the next load of this thread; a pair's last one stores its sums
+        accumulate<ROWS>(sums, packed, x, rank, slice + 8 * n);
+        if (++n < loads) return;
+        if (has_pair(pair)) {
+          const int local = column_of(pair) - first_column;
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) {
+            float4* destination = reinterpret_cast<float4*>(partial + (r * kSlices + slice) * plan.columns + local);
+            destination[0] = make_float4(sums[r][0], sums[r][1], sums[r][2], sums[r][3]);
+            destination[1] = make_float4(sums[r][4], sums[r][5], sums[r][6], sums[r][7]);
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) sums[r][j] = 0.0f;
+        ++pair, n = 0;
+      };
+#pragma unroll
+      for (int q = 0; q < kRegisters; ++q)
+        if (q < total_loads) add(registers[q]);
+      for (int q = kRegisters; q < total_loads; ++q) add(cache[static_cast<long>(q - kRegisters) * kThreads + t]);
+      asm volatile("cp.async.wait_all;" ::: "memory");
+      __syncthreads();
+
+      // Each column: the slices' sums in order, then the LM head's logit; each row's first largest.
+      unsigned long long keys[ROWS];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) keys[r] = 0;
+      for (int c = t; c < columns; c += kThreads) {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          if (r >= group_rows) break;
+          float total = 0.0f;
+#pragma unroll
+          for (int s = 0; s < kSlices; ++s) total += partial[(r * kSlices + s) * plan.columns + c];
+          total += lm_logits[r * plan.columns + c];
+          position_logits[static_cast<long>(r) * vocab + c] = total;
+          keys[r] = max(keys[r], argmax_key(total, first_column + c));
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1)
+          keys[r] = max(keys[r], __shfl_xor_sync(0xffffffffu, keys[r], offset));
+        if (lane == 0) warp_keys[r][warp] = keys[r];
+      }
+      __syncthreads();
+      if (t < group_rows) {
+        unsigned long long key = 0;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) key = max(key, warp_keys[t][w]);
+        atomicMax(argmax_keys + static_cast<long>(k) * rows + first_row + t, key);
+      }
+      // No barrier here: the next group rewrites x, partial and lm_logits, and warp_keys only after barriers.
+    }
+    grid_barrier(barrier, barrier + 1, gridDim.x);  // position k's keys are complete
+  }
+  if (blockIdx.x == 0)
+    for (int i = t; i < gamma * rows; i += kThreads) head.tokens[i] = argmax_index(__ldcg(argmax_keys + i));
+}
+
+int rows_per_pass(int rows) { return rows == 1 ? 1 : rows == 2 ? 2 : kMaxRows; }
+
+int register_loads(int rows_per_pass) {
+  return rows_per_pass == 1 ? kRegisterLoads<1> : rows_per_pass == 2 ? kRegisterLoads<2> : kRegisterLoads<4>;
+}
+
+// Shared memory a launch needs besides the cached weights.
+size_t fixed_shared_bytes(const Plan& plan, int rows, int gamma, int rank) {
+  const int group = rows_per_pass(rows);
+  return sizeof(float) * (size_t(group) * (kSlices + 1) * plan.columns + size_t(group) * rank + size_t(gamma) * rows) +
+         sizeof(int) * 2 * size_t(rows);
+}
+
+int shared_memory_limit() {
+  static const int limit = [] {
+    int device = 0, bytes = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    return bytes - 1024;  // the kernel's static shared memory
+  }();
+  return limit;
+}
+
+Plan make_plan(int rows, int gamma, int rank, int vocab, int* blocks) {
+  Plan plan{};
+  const int groups = ceil_div(vocab, kGroupColumns);  // whole groups, over one block per multiprocessor
+  plan.columns = ceil_div(groups, std::min(multiprocessor_count(), groups)) * kGroupColumns;
+  *blocks = ceil_div(vocab, plan.columns);
+  plan.pairs = ceil_div(plan.columns, kThreads);  // a group's 128 pairs cover its 128 columns
+  plan.loads = rank / 8;
+  plan.shared_loads = std::max(0, plan.pairs * plan.loads - register_loads(rows_per_pass(rows)));
+  return plan;
+}
+
+size_t shared_bytes(const Plan& plan, int rows, int gamma, int rank) {
+  return fixed_shared_bytes(plan, rows, gamma, rank) + size_t(plan.shared_loads) * kThreads * sizeof(uint4);
+}
+
+template <int ROWS>
+void launch_markov_head(float* logits, unsigned long long* argmax_keys, const bf16* w2, const float* hidden, int rows,
+                        int gamma, int rank, int width, int vocab, const SequentialHeadWeights& weights,
+                        const DraftControl* control, const SequentialHeadState& head, unsigned* barrier,
+                        cudaStream_t stream) {
+  static const bool opted_in = [] {
+    CUDA_CHECK(cudaFuncSetAttribute(markov_head_kernel<ROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    shared_memory_limit()));
+    return true;
+  }();
+  (void)opted_in;
+  int blocks = 0;
+  const Plan plan = make_plan(rows, gamma, rank, vocab, &blocks);
+  const size_t bytes = shared_bytes(plan, rows, gamma, rank);
+  // The grid barrier needs every block resident at once: one per multiprocessor.
+  int per_multiprocessor = 0;
+  CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, markov_head_kernel<ROWS>, kThreads, bytes));
+  DSPARK_CHECK(per_multiprocessor >= 1 && blocks <= multiprocessor_count() * per_multiprocessor,
+               "Markov head: ", blocks, " blocks cannot all be resident");
+  launch_dependent(markov_head_kernel<ROWS>, blocks, kThreads, bytes, stream, logits, argmax_keys, w2, hidden, rows,
+                   gamma, rank, width, vocab, weights, control, head, plan, barrier);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+bool markov_head_supported(int rows, int gamma, int rank, int vocab, const bf16* w2) {
+  if (rows < 1 || gamma < 1 || gamma > kMaxDraftGamma || rank % 8 != 0 || vocab % 8 != 0 ||
+      reinterpret_cast<uintptr_t>(w2) % 16 != 0)
+    return false;
+  int blocks = 0;
+  return long(shared_bytes(make_plan(rows, gamma, rank, vocab, &blocks), rows, gamma, rank)) <= shared_memory_limit();
+}
+
+void markov_head_forward(float* logits, unsigned long long* argmax_keys, const bf16* w2, const float* hidden, int rows,
+                         int gamma, int rank, int width, int vocab, const SequentialHeadWeights& weights,
+                         const DraftControl* control, const SequentialHeadState& head, unsigned* barrier,
+                         cudaStream_t stream) {
+  DSPARK_CHECK(markov_head_supported(rows, gamma, rank, vocab, w2), "Markov head: rows ", rows, ", gamma ", gamma,
+               ", rank ", rank, ", vocab ", vocab, " are not supported by the one-launch head");
+  auto launch = rows == 1 ? launch_markov_head<1> : rows == 2 ? launch_markov_head<2> : launch_markov_head<kMaxRows>;
+  launch(logits, argmax_keys, w2, hidden, rows, gamma, rank, width, vocab, weights, control, head, barrier, stream);
+}
+
+}  // namespace dspark::cuda
