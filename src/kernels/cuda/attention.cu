@@ -3,6 +3,7 @@
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device.h"
 #include "kernels/cuda/rope.cuh"
 
 namespace dspark::cuda {
@@ -556,16 +557,6 @@ long train_forward_floats(int gamma, int head_dim) {
 }
 long train_backward_floats(int gamma, int head_dim) {
   return 3L * gamma * head_dim + 2L * kTrainKeyTile * (head_dim + 1) + 2L * gamma * kTrainKeyTile + 2L * gamma;
-}
-
-int max_shared_bytes() {
-  static const int bytes = [] {
-    int device = 0, value = 0;
-    CUDA_CHECK(cudaGetDevice(&device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    return value;
-  }();
-  return bytes;
 }
 
 // Key `key` of anchor `anchor` (context rows first, then the block's): its row

@@ -38,6 +38,16 @@ int multiprocessor_count() {
   return count;
 }
 
+int max_shared_bytes() {
+  static const int bytes = [] {
+    int device = 0, value = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    return value;
+  }();
+  return bytes;
+}
+
 std::string device_description(int index) {
   cudaDeviceProp properties{};
   CUDA_CHECK(cudaGetDeviceProperties(&properties, index));

@@ -15,6 +15,9 @@ std::string device_description(int index);
 // Streaming multiprocessors of the current device.
 int multiprocessor_count();
 
+// The most shared memory one block of the current device can opt in to, in bytes.
+int max_shared_bytes();
+
 }  // namespace dspark::cuda
 
 namespace dspark::cuda {

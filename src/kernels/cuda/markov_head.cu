@@ -226,10 +226,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         __syncthreads();
       }
       float sums[ROWS][8];
+      auto clear_sums = [&] {
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r)
+        for (int r = 0; r < ROWS; ++r)
 #pragma unroll
-        for (int j = 0; j < 8; ++j) sums[r][j] = 0.0f;
+          for (int j = 0; j < 8; ++j) sums[r][j] = 0.0f;
+      };
+      clear_sums();
       int pair = 0, n = 0;
       auto add = [&](uint4 packed) {  // the next load of this thread; a pair's last one stores its sums
         accumulate<ROWS>(sums, packed, x, rank, slice + 8 * n);
@@ -243,10 +246,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             destination[1] = make_float4(sums[r][4], sums[r][5], sums[r][6], sums[r][7]);
           }
         }
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-          for (int j = 0; j < 8; ++j) sums[r][j] = 0.0f;
+        clear_sums();
         ++pair, n = 0;
       };
 #pragma unroll
@@ -294,10 +294,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = t; i < gamma * rows; i += kThreads) head.tokens[i] = argmax_index(__ldcg(argmax_keys + i));
 }
 
-int rows_per_pass(int rows) { return rows == 1 ? 1 : rows == 2 ? 2 : kMaxRows; }
+int rows_per_pass(int rows) { return rows <= 2 ? rows : kMaxRows; }  // the kernel's ROWS for a batch
 
 int register_loads(int rows_per_pass) {
-  return rows_per_pass == 1 ? kRegisterLoads<1> : rows_per_pass == 2 ? kRegisterLoads<2> : kRegisterLoads<4>;
+  return rows_per_pass == 1 ? kRegisterLoads<1> : rows_per_pass == 2 ? kRegisterLoads<2> : kRegisterLoads<kMaxRows>;
 }
 
 // Shared memory a launch needs besides the cached weights.
@@ -307,15 +307,7 @@ size_t fixed_shared_bytes(const Plan& plan, int rows, int gamma, int rank) {
          sizeof(int) * 2 * size_t(rows);
 }
 
-int shared_memory_limit() {
-  static const int limit = [] {
-    int device = 0, bytes = 0;
-    CUDA_CHECK(cudaGetDevice(&device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    return bytes - 1024;  // the kernel's static shared memory
-  }();
-  return limit;
-}
+int shared_memory_limit() { return max_shared_bytes() - 1024; }  // less the kernel's static shared memory
 
 Plan make_plan(int rows, int gamma, int rank, int vocab, int* blocks) {
   Plan plan{};
@@ -373,7 +365,8 @@ void markov_head_forward(float* logits, unsigned long long* argmax_keys, const b
                          cudaStream_t stream) {
   DSPARK_CHECK(markov_head_supported(rows, gamma, rank, vocab, w2), "Markov head: rows ", rows, ", gamma ", gamma,
                ", rank ", rank, ", vocab ", vocab, " are not supported by the one-launch head");
-  auto launch = rows == 1 ? launch_markov_head<1> : rows == 2 ? launch_markov_head<2> : launch_markov_head<kMaxRows>;
+  const int group = rows_per_pass(rows);
+  auto launch = group == 1 ? launch_markov_head<1> : group == 2 ? launch_markov_head<2> : launch_markov_head<kMaxRows>;
   launch(logits, argmax_keys, w2, hidden, rows, gamma, rank, width, vocab, weights, control, head, barrier, stream);
 }
 
