@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -166,10 +167,11 @@ CudaDrafter::CudaDrafter(const Drafter& drafter, const CudaTargetHead& head)
   }
   temperatures_ = upload_f32(temperatures.data(), temperatures.size());
 
-  // The extension pass: destinations [L, kExtendChunk], sources [kExtendChunk], then the tapped rows
+  // The extension pass: destinations [kExtendChunk, L], sources [kExtendChunk], then the tapped rows
   // [kExtendChunk, m*H] bf16.
   extend_sources_offset_ = long(c.num_layers) * kExtendChunk * 8;
-  extend_taps_offset_ = align_up(extend_sources_offset_ + kExtendChunk * 4, 256);  // cuBLASLt wants 256-byte operands
+  extend_taps_offset_ = align_up(extend_sources_offset_ + kExtendChunk * long(sizeof(cuda::TapRowSource)),
+                                 256);  // cuBLASLt wants 256-byte operands
   const long extend_bytes = extend_taps_offset_ + long(kExtendChunk) * width_ * 2;
   extend_staging_.resize(extend_bytes);
   extend_metadata_.resize(extend_bytes);
@@ -185,6 +187,7 @@ CudaDrafter::CudaDrafter(const Drafter& drafter, const CudaTargetHead& head)
 CudaDrafter::~CudaDrafter() {
   enable_step_timing(false);
   for (auto& [rows, graph] : graphs_) cudaGraphExecDestroy(graph);
+  for (auto& [rows, graph] : extend_graphs_) cudaGraphExecDestroy(graph);
   if (device_staged_.size()) cudaStreamSynchronize(head_.stream);  // conversions into device_staged_
   if (stream_) {
     cudaStreamSynchronize(stream_);
@@ -203,6 +206,14 @@ void CudaDrafter::enable_step_timing(bool on) {
     cudaEventDestroy(step_stop_);
     step_start_ = step_stop_ = nullptr;
   }
+}
+
+void CudaDrafter::use_one_launch_head(bool on) {
+  if (on == one_launch_head_) return;
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  for (auto& [bucket, graph] : graphs_) cudaGraphExecDestroy(graph);  // captured the other way
+  graphs_.clear();
+  one_launch_head_ = on;
 }
 
 float CudaDrafter::last_step_milliseconds() const {
@@ -279,6 +290,9 @@ void CudaDrafter::finish_device_rows(long serial, int intact) {
 
 void CudaDrafter::convert_device_rows() {
   pending_serial_ = -1;
+  // (Rows a pass has read where the forward left them are null: nothing to convert.)
+  if (std::all_of(pending_sources_.begin(), pending_sources_.end(), [](const float* row) { return !row; }))
+    pending_sources_.clear();
   if (pending_sources_.empty()) return;
   const cudaStream_t producer = head_.stream;
   if (device_staged_read_pending_) {  // the last pass may still be reading the rows about to be overwritten
@@ -349,10 +363,16 @@ void CudaDrafter::grow_context(Context& c, int rows) {
   c.capacity = capacity;
 }
 
-void CudaDrafter::flush_contexts() { flush_contexts_of({}); }
+void CudaDrafter::flush_contexts() {
+  flush_contexts_of({});
+  // The pass may read rows where the target's forward left them; draft() waits
+  // for it, here the target's stream does, before its next forward may write there.
+  CUDA_CHECK(cudaEventRecord(device_staged_read_, stream_));
+  CUDA_CHECK(cudaStreamWaitEvent(head_.stream, device_staged_read_, 0));
+  device_staged_read_pending_ = false;
+}
 
 void CudaDrafter::flush_contexts_of(std::span<const CudaDraftRequest> requests) {
-  convert_device_rows();
   // Only the requests' contexts (all when there are none): a request left
   // undrafted keeps its rows staged until it drafts, unless all contexts'
   // staged rows together outgrow kMaxStagedBytes.
@@ -363,98 +383,91 @@ void CudaDrafter::flush_contexts_of(std::span<const CudaDraftRequest> requests) 
   for (const CudaDraftRequest& request : requests) flushed_ids_.push_back(request.context);
   std::sort(flushed_ids_.begin(), flushed_ids_.end());
   auto flushed = [&](int id) { return all || std::binary_search(flushed_ids_.begin(), flushed_ids_.end(), id); };
+  // A device row not yet converted is read where the target's forward left it
+  // (its entry in pending_sources_ is then cleared: nothing converts it).
+  const int first_pending = device_staged_rows_ - static_cast<int>(pending_sources_.size());
   struct Row {
     Context* context;
     int position;
-    const uint16_t* host_taps;  // bf16 bits on the host, or null: the row is device_staged_[device_row]
-    int32_t device_row;
+    const uint16_t* host_taps;  // bf16 bits on the host, or null: the row comes from `device`
+    cuda::TapRowSource device;
   };
   std::vector<Row> rows;
-  bool device_rows = false;
+  bool device_rows = false, staged_rows_read = false;
   for (auto& [id, c] : contexts_) {
     if (c.staged_rows() == 0 || !flushed(id)) continue;
     grow_context(c, c.length + c.staged_rows());
     size_t host_row = 0;
     for (int i = 0; i < c.staged_rows(); ++i) {
       const int32_t source = c.staged_sources[i];
-      const bool on_host = source == kHostRow;
-      rows.push_back({&c, c.length + i, on_host ? c.staged.data() + host_row++ * width_ : nullptr, source});
-      device_rows |= !on_host;
+      Row row{&c, c.length + i, nullptr, {nullptr, cuda::TapRowKind::Keep}};
+      if (source == kHostRow) {
+        row.host_taps = c.staged.data() + host_row++ * width_;
+      } else if (source >= first_pending) {
+        row.device = {std::exchange(pending_sources_[source - first_pending], nullptr), cuda::TapRowKind::F32};
+      } else {
+        row.device = {device_staged_.data() + long(source) * width_, cuda::TapRowKind::Bf16};
+        staged_rows_read = true;
+      }
+      device_rows |= source != kHostRow;
+      rows.push_back(row);
     }
   }
-  // Every device-staged row of a flushed context is in `rows` (the rest were
-  // truncated away); the area starts over once no context holds one.
+  // Every device row of a flushed context is in `rows` (the rest were
+  // truncated away); the staging area starts over once no context holds one,
+  // and rows no one holds any more need no conversion.
   bool device_rows_left = false;
   for (const auto& [id, c] : contexts_)
     if (!flushed(id))
       device_rows_left |= std::any_of(c.staged_sources.begin(), c.staged_sources.end(),
                                       [](int32_t source) { return source != kHostRow; });
-  if (!device_rows_left) device_staged_rows_ = 0;
+  if (!device_rows_left) {
+    device_staged_rows_ = 0;
+    pending_sources_.clear();
+    pending_serial_ = -1;
+  }
   if (rows.empty()) return;
-  const int d = config_.d_draft, L = config_.num_layers;
-  const float eps = dims_.eps;
-  const long row_elements = 2L * d;
   cudaStream_t s = stream_;
-  if (device_rows) {  // the pass reads device_staged_ after the conversions queued on the target's stream
+  if (device_rows) {  // the pass reads the target's rows (and conversions) after the work queued on its stream
     CUDA_CHECK(cudaEventRecord(device_staged_written_, head_.stream));
     CUDA_CHECK(cudaStreamWaitEvent(s, device_staged_written_, 0));
   }
+  const int L = config_.num_layers;
+  const long row_elements = 2L * config_.d_draft;
   for (size_t begin = 0; begin < rows.size(); begin += kExtendChunk) {
     const int count = static_cast<int>(std::min<size_t>(kExtendChunk, rows.size() - begin));
-    const int padded = static_cast<int>(std::bit_ceil(unsigned(count)));  // few distinct GEMM shapes
+    const int padded = static_cast<int>(std::bit_ceil(unsigned(count)));  // few distinct shapes (and graphs)
     wait_for_extend_staging();
     auto* destinations = reinterpret_cast<uint64_t*>(extend_staging_.data());
+    auto* sources = reinterpret_cast<cuda::TapRowSource*>(extend_staging_.data() + extend_sources_offset_);
     auto* taps = reinterpret_cast<uint16_t*>(extend_staging_.data() + extend_taps_offset_);
-    for (int i = 0; i < padded; ++i)
-      for (int l = 0; l < L; ++l) {
-        bf16* destination = nullptr;  // padding rows are computed and dropped
-        if (i < count) {
-          const Row& row = rows[begin + i];
-          destination = row.context->storage.data() + (long(l) * row.context->capacity + row.position) * row_elements;
-        }
-        destinations[long(i) * L + l] = reinterpret_cast<uint64_t>(destination);
+    bool chunk_host_rows = false;
+    for (int i = 0; i < padded; ++i) {
+      const Row* row = i < count ? &rows[begin + i] : nullptr;  // padding rows are computed and dropped
+      for (int l = 0; l < L; ++l)
+        destinations[long(i) * L + l] = reinterpret_cast<uint64_t>(
+            row ? row->context->storage.data() + (long(l) * row->context->capacity + row->position) * row_elements
+                : nullptr);
+      sources[i] = row ? row->device : cuda::TapRowSource{nullptr, cuda::TapRowKind::Zero};
+      if (row && row->host_taps) {  // host rows go up with the metadata
+        std::memcpy(taps + size_t(i) * width_, row->host_taps, size_t(width_) * 2);
+        chunk_host_rows = true;
       }
-    // Host rows go up with the metadata; device rows (and then the padding) are gathered on the device.
-    auto* sources = reinterpret_cast<int32_t*>(extend_staging_.data() + extend_sources_offset_);
-    bool chunk_host_rows = false, chunk_device_rows = false;
-    for (int i = 0; i < count; ++i) {
-      const bool on_host = rows[begin + i].host_taps != nullptr;
-      sources[i] = on_host ? cuda::kKeepRow : rows[begin + i].device_row;
-      chunk_host_rows |= on_host;
-      chunk_device_rows |= !on_host;
-    }
-    for (int i = count; i < padded; ++i) sources[i] = cuda::kZeroRow;
-    if (chunk_host_rows) {
-      for (int i = 0; i < count; ++i) {
-        uint16_t* row = taps + size_t(i) * width_;
-        if (rows[begin + i].host_taps)
-          std::memcpy(row, rows[begin + i].host_taps, size_t(width_) * 2);
-        else
-          std::memset(row, 0, size_t(width_) * 2);  // gathered on the device
-      }
-      std::memset(taps + size_t(count) * width_, 0, size_t(padded - count) * width_ * 2);
     }
     CUDA_CHECK(cudaMemcpyAsync(extend_metadata_.data(), extend_staging_.data(),
-                               extend_taps_offset_ + (chunk_host_rows ? long(padded) * width_ * 2 : 0),
+                               chunk_host_rows ? extend_taps_offset_ + long(count) * width_ * 2 : extend_taps_offset_,
                                cudaMemcpyHostToDevice, s));
     extend_in_flight_ = true;
-    bf16* taps_device = reinterpret_cast<bf16*>(extend_metadata_.data() + extend_taps_offset_);
-    auto* destinations_device = reinterpret_cast<bf16* const*>(extend_metadata_.data());
-    const auto* sources_device = reinterpret_cast<const int32_t*>(extend_metadata_.data() + extend_sources_offset_);
-    if (chunk_device_rows)
-      cuda::gather_staged_rows_forward(taps_device, device_staged_.data(), sources_device, padded, width_, s);
-    // Hc = rms(hctx @ W_c, ctx_norm), kept in f32; then every layer's rms(Hc, attn_norm) @ k | v in one product
-    // (context_keys_values_), whose rows [L * 2d] go to the L layers' storage.
-    cuda::matmul_forward(extend_projected_.data(), cuda::MatmulOutput::F32, taps_device, context_projection_.data(),
-                         nullptr, padded, width_, d, s, kAnyKernel);
-    cuda::residual_add_rmsnorm_forward(extend_projected_.data(), nullptr, extend_normed_.data(), context_norm_.data(),
-                                       padded, d, eps, nullptr, extend_hidden_.data(), d, s);
-    cuda::rmsnorm_forward(extend_normed_.data(), extend_hidden_.data(), ones_.data(), padded, d, eps, s);
-    cuda::matmul_forward(extend_kv_.data(), cuda::MatmulOutput::BF16, extend_normed_.data(),
-                         context_keys_values_.data(), nullptr, padded, d, L * 2 * d, s, kAnyKernel);
-    cuda::scatter_rows_forward(destinations_device, extend_kv_.data(), padded * L, static_cast<int>(row_elements), s);
+    auto graph = extend_graphs_.find(padded);
+    if (graph != extend_graphs_.end()) {
+      CUDA_CHECK(cudaGraphLaunch(graph->second, s));
+      continue;
+    }
+    run_extension(padded);
+    // The first pass of a size ran eagerly (choosing GEMM algorithms); capture it for the next ones.
+    if (use_graphs_) extend_graphs_.emplace(padded, capture([&] { run_extension(padded); }));
   }
-  if (device_rows) {  // the next conversion into device_staged_ waits for this pass to have read it
+  if (staged_rows_read) {  // the next conversion into device_staged_ waits for this pass to have read it
     CUDA_CHECK(cudaEventRecord(device_staged_read_, s));
     device_staged_read_pending_ = true;
   }
@@ -464,6 +477,28 @@ void CudaDrafter::flush_contexts_of(std::span<const CudaDraftRequest> requests) 
     c.staged.clear();
     c.staged_sources.clear();
   }
+}
+
+// The kernels of one extension pass of `padded` rows whose metadata is in
+// extend_metadata_ (destinations [padded, L], sources [padded], host rows).
+void CudaDrafter::run_extension(int padded) {
+  const int d = config_.d_draft, L = config_.num_layers;
+  cudaStream_t s = stream_;
+  bf16* taps = reinterpret_cast<bf16*>(extend_metadata_.data() + extend_taps_offset_);
+  cuda::gather_tap_rows_forward(
+      taps, reinterpret_cast<const cuda::TapRowSource*>(extend_metadata_.data() + extend_sources_offset_), padded,
+      width_, s);
+  // Hc = rms(hctx @ W_c, ctx_norm), kept in f32; then every layer's rms(Hc, attn_norm) @ k | v in one product
+  // (context_keys_values_), whose rows [L * 2d] go to the L layers' storage.
+  cuda::matmul_forward(extend_projected_.data(), cuda::MatmulOutput::F32, taps, context_projection_.data(), nullptr,
+                       padded, width_, d, s, kAnyKernel);
+  cuda::residual_add_rmsnorm_forward(extend_projected_.data(), nullptr, extend_normed_.data(), context_norm_.data(),
+                                     padded, d, dims_.eps, nullptr, extend_hidden_.data(), d, s);
+  cuda::rmsnorm_forward(extend_normed_.data(), extend_hidden_.data(), ones_.data(), padded, d, dims_.eps, s);
+  cuda::matmul_forward(extend_kv_.data(), cuda::MatmulOutput::BF16, extend_normed_.data(), context_keys_values_.data(),
+                       nullptr, padded, d, L * 2 * d, s, kAnyKernel);
+  cuda::scatter_rows_forward(reinterpret_cast<bf16* const*>(extend_metadata_.data()), extend_kv_.data(), padded * L,
+                             static_cast<int>(2L * d), s);
 }
 
 void CudaDrafter::read_context(int id, int layer, std::vector<float>& keys, std::vector<float>& values) {
@@ -670,24 +705,28 @@ void CudaDrafter::draft_chunk(std::span<const CudaDraftRequest> requests, const 
   }
 
   // A bucket's first step ran eagerly (choosing GEMM algorithms); capture it for the next ones.
-  if (use_graphs_ && graph == graphs_.end()) {
-    cudaGraph_t captured = nullptr;
-    CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    try {
-      run_step(rows, !sampling);
-    } catch (...) {  // leave the stream usable: end the capture, draft eagerly from now on
-      cudaStreamEndCapture(s, &captured);
-      if (captured) cudaGraphDestroy(captured);
-      cudaGetLastError();
-      use_graphs_ = false;
-      throw;
-    }
-    CUDA_CHECK(cudaStreamEndCapture(s, &captured));
-    cudaGraphExec_t executable;
-    CUDA_CHECK(cudaGraphInstantiate(&executable, captured, 0));
-    CUDA_CHECK(cudaGraphDestroy(captured));
-    graphs_.emplace(std::pair{rows, !sampling}, executable);
+  if (use_graphs_ && graph == graphs_.end())
+    graphs_.emplace(std::pair{rows, !sampling}, capture([&] { run_step(rows, !sampling); }));
+}
+
+cudaGraphExec_t CudaDrafter::capture(const std::function<void()>& work) {
+  cudaStream_t s = stream_;
+  cudaGraph_t captured = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  try {
+    work();
+  } catch (...) {  // leave the stream usable: end the capture, run eagerly from now on
+    cudaStreamEndCapture(s, &captured);
+    if (captured) cudaGraphDestroy(captured);
+    cudaGetLastError();
+    use_graphs_ = false;
+    throw;
   }
+  CUDA_CHECK(cudaStreamEndCapture(s, &captured));
+  cudaGraphExec_t executable;
+  CUDA_CHECK(cudaGraphInstantiate(&executable, captured, 0));
+  CUDA_CHECK(cudaGraphDestroy(captured));
+  return executable;
 }
 
 // The kernels of one step for a bucket of `rows` rows, in order; the same eager or captured.
@@ -768,7 +807,7 @@ void CudaDrafter::run_step(int rows, bool greedy) {
                                             temperatures_.data()};
   const cuda::SequentialHeadState head{anchors,    limits,        tokens, greedy ? argmax_keys_.data() : nullptr,
                                        confidence, alive_.data(), count,  alive_rows_.data()};
-  if (greedy && kind_ == cuda::SequentialHeadKind::Markov &&
+  if (greedy && kind_ == cuda::SequentialHeadKind::Markov && one_launch_head_ &&
       cuda::markov_head_supported(B, gamma, r, V, head_out_.data())) {
     // Every position in one launch where w2 fits on chip (the demo drafter: a 0.125 -> 0.115 ms step
     // at batch 4); at Qwen3-8B's vocabulary the per-position kernels below are faster (docs/PERF.md, stop 31).

@@ -18,19 +18,21 @@
 // together pass kMaxStagedBytes and a draft projects everyone's.
 // Rows come from the host (extend_context: converted there, uploaded with the
 // pass) or straight from the CUDA target's device taps
-// (extend_context_from_device: converted on the device into one device staging
-// area shared by all contexts). Device rows are recorded as they are
-// accepted and converted together, one launch for the rows of one or more
-// rounds (convert_device_rows(): at the next draft, or when the draft source
-// finishes a round's accepts and the target's next forward may overwrite the
-// oldest of them, finish_device_rows(); the CUDA target keeps a verify
-// step's taps for 63 more such steps, so undrafted rounds launch nothing), on
-// the target's stream, so the conversion runs after the forwards that wrote
-// them and before any later forward overwrites them, with no event per row; the pass (on the
-// drafter's stream) waits on one event recorded there after the last
-// conversion, and the first conversion after a pass waits on one recorded after
-// the pass read the staging area. Either way a row's bf16 bits are the same,
-// so the retained context is too.
+// (extend_context_from_device). A device row is recorded where the target's
+// forward left it (f32), and the pass that projects it reads and converts it
+// there: the CUDA target keeps a verify step's taps for 63 more such steps,
+// so a round that drafts launches nothing for its rows before the pass, and
+// undrafted rounds launch nothing at all. Only rows that would outlive their
+// place (the target's next forward may overwrite the oldest of them:
+// finish_device_rows(); a request left undrafted for 63 rounds, a prefill's
+// rows) are converted first, together, into one device staging area shared
+// by all contexts (convert_device_rows(): one launch on the target's stream,
+// after the forwards that wrote them and before any later forward overwrites
+// them). The pass (on the drafter's stream) waits on one event recorded on
+// the target's stream, and the first conversion after a pass that read the
+// staging area waits on one recorded after it. Either way a row's bf16 bits
+// are the same, so the retained context is too. Each pass size (rows padded
+// to a power of two) runs as one captured CUDA graph after its first use.
 //
 // One draft step for B requests: the host packs the step's metadata (anchors,
 // context pointers and lengths, pruning settings, sampling parameters and
@@ -61,6 +63,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <span>
 #include <vector>
@@ -99,9 +102,9 @@ class CudaDrafter {
   void extend_context(int context, const float* tapped_rows, int count);
   // The same from device_rows [count, m*H] f32 in device memory, written by
   // work on the target's stream (head.stream: a CUDA target's
-  // TargetResult::device_taps). Records them; convert_device_rows() (or the
-  // next flush_contexts()) converts them on that stream, and the rows must
-  // stay as they are until then.
+  // TargetResult::device_taps). Records them; the next pass reads them there,
+  // or convert_device_rows() converts them first, and the rows must stay as
+  // they are until then.
   void extend_context_from_device(int context, const float* device_rows, int count);
   // Queues the conversion of every recorded device row, in one launch on the
   // target's stream: after it returns the rows may be overwritten by anything
@@ -129,6 +132,10 @@ class CudaDrafter {
   // that of the last step (of the last chunk of 64 rows).
   void enable_step_timing(bool on);
   float last_step_milliseconds() const;
+  // Greedy Markov drafting runs its head in one launch where w2 fits on chip
+  // (markov_head_forward); off, it takes the per-position kernels there too
+  // (tests: both give the same bits).
+  void use_one_launch_head(bool on);
 
  private:
   using bf16 = __nv_bfloat16;
@@ -169,6 +176,9 @@ class CudaDrafter {
   void draft_chunk(std::span<const CudaDraftRequest> requests, const DraftOptions& options, int limit,
                    const std::vector<float>& thresholds, std::span<DraftResult> results);
   void run_step(int rows, bool greedy);
+  void run_extension(int padded);
+  // The work `work` queues on the drafter's stream, captured (not run) as a CUDA graph.
+  cudaGraphExec_t capture(const std::function<void()>& work);
 
   DrafterConfig config_;
   TargetDims dims_;
@@ -180,6 +190,7 @@ class CudaDrafter {
   int multiprocessors_ = 0;
   cudaStream_t stream_ = nullptr;
   bool use_graphs_ = true;
+  bool one_launch_head_ = true;
 
   // Weights.
   std::vector<Layer> layers_;
@@ -241,6 +252,7 @@ class CudaDrafter {
   std::vector<double> uniforms_;  // [γ, B] this step's uniforms, as drawn
   std::vector<int32_t> order_;
   std::map<std::pair<int, bool>, cudaGraphExec_t> graphs_;  // per (batch bucket, greedy)
+  std::map<int, cudaGraphExec_t> extend_graphs_;            // extension passes, per padded row count
   cudaEvent_t step_start_ = nullptr, step_stop_ = nullptr;  // set while step timing is on
   cuda::StepProfiler profiler_{"DSPARK_DRAFT_PROFILE", "draft profile"};  // on: every step eager, per-op times
 };

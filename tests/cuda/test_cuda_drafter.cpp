@@ -477,20 +477,30 @@ TEST(CudaDraftOps, F32ToBf16MatchesTheHostBitForBit) {
   for (size_t i = 0; i < values.size(); ++i) EXPECT_EQ(bits[i], f32_to_bf16(values[i])) << "value " << i;
 }
 
-TEST(CudaDraftOps, GatherStagedRowsCopiesZeroesAndKeeps) {
-  const int width = 40, rows = 4;
+TEST(CudaDraftOps, GatherTapRowsCopiesConvertsZeroesAndKeeps) {
+  const int width = 40, rows = 5;
   const auto staged = bf16_rounded(random_values(3 * width, 106));
   auto staged_device = to_device_bf16(staged);
+  const auto taps = random_values(2 * width, 108, 3.0f);  // f32 rows where a forward left them
+  auto taps_device = to_device(taps);
   const auto before = bf16_rounded(random_values(rows * width, 107));
   auto out_device = to_device_bf16(before);
-  auto sources = to_device(std::vector<int32_t>{2, cuda::kKeepRow, cuda::kZeroRow, 0});
-  cuda::gather_staged_rows_forward(out_device.data(), staged_device.data(), sources.data(), rows, width, nullptr);
+  using cuda::TapRowKind;
+  auto sources = to_device(std::vector<cuda::TapRowSource>{{staged_device.data() + 2 * width, TapRowKind::Bf16},
+                                                           {nullptr, TapRowKind::Keep},
+                                                           {nullptr, TapRowKind::Zero},
+                                                           {taps_device.data() + width, TapRowKind::F32},
+                                                           {staged_device.data(), TapRowKind::Bf16}});
+  cuda::gather_tap_rows_forward(out_device.data(), sources.data(), rows, width, nullptr);
+  std::vector<uint16_t> bits(size_t(rows) * width);
+  CUDA_CHECK(cudaMemcpy(bits.data(), out_device.data(), bits.size() * 2, cudaMemcpyDeviceToHost));
   const auto out = from_device(out_device);
   for (int i = 0; i < width; ++i) {
     EXPECT_EQ(out[0 * width + i], staged[2 * width + i]);
     EXPECT_EQ(out[1 * width + i], before[1 * width + i]);
     EXPECT_EQ(out[2 * width + i], 0.0f);
-    EXPECT_EQ(out[3 * width + i], staged[0 * width + i]);
+    EXPECT_EQ(bits[3 * width + i], f32_to_bf16(taps[width + i]));  // rounded as on the host
+    EXPECT_EQ(out[4 * width + i], staged[0 * width + i]);
   }
 }
 
@@ -630,6 +640,31 @@ TEST_P(CudaDrafting, GraphReplaysEqualTheEagerStep) {
     EXPECT_EQ(replayed[0].tokens, eager[0].tokens) << run;
     EXPECT_EQ(replayed[0].confidence, eager[0].confidence) << run;
     EXPECT_EQ(replayed[0].logits, eager[0].logits) << run;
+  }
+}
+
+// The drafter's greedy Markov head per position (what runs where w2 does not
+// fit on chip: Qwen3-8B's) against its one-launch head, through whole steps.
+TEST_P(CudaDrafting, PerPositionMarkovHeadEqualsTheOneLaunchHead) {
+  if (drafter_.config.seq_head != "markov") GTEST_SKIP() << "the one-launch head is the greedy Markov head's";
+  const std::vector<int> lengths = {9, 4, 12};  // three rows: a bucket of 4 with a padding row
+  std::vector<CudaDraftRequest> requests;
+  for (int length : lengths) requests.push_back({gpu_context(length), tokens_[length], nullptr});
+  DraftOptions options;
+  options.collect_logits = true;
+  std::vector<DraftResult> one_launch, per_position;
+  gpu_->draft(requests, options, one_launch);
+  gpu_->use_one_launch_head(false);
+  for (int run = 0; run < 3; ++run) {  // eager, then graph replays
+    gpu_->draft(requests, options, per_position);
+    for (size_t i = 0; i < requests.size(); ++i) {
+      const std::string what = "row " + std::to_string(i) + " run " + std::to_string(run);
+      EXPECT_EQ(per_position[i].tokens, one_launch[i].tokens) << what;
+      EXPECT_EQ(per_position[i].logits, one_launch[i].logits) << what;
+      ASSERT_EQ(per_position[i].confidence.size(), one_launch[i].confidence.size()) << what;
+      for (size_t k = 0; k < one_launch[i].confidence.size(); ++k)  // the same sum in another order
+        EXPECT_NEAR(per_position[i].confidence[k], one_launch[i].confidence[k], 1e-5f) << what << " position " << k;
+    }
   }
 }
 

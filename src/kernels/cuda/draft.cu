@@ -116,22 +116,30 @@ __global__ void gather_f32_to_bf16_kernel(uint16_t* out, const float* const* sou
   wait_for_previous_kernel();
   start_next_kernel();
   const float* source = sources[blockIdx.x];
+  if (!source) return;
   uint16_t* row = out + static_cast<long>(blockIdx.x) * width;
   for (int i = threadIdx.x; i < width; i += kThreads) row[i] = bf16_bits(source[i]);
 }
 
-__global__ void gather_staged_rows_kernel(bf16* rows, const bf16* staged, const int32_t* sources, int width) {
+__global__ void gather_tap_rows_kernel(bf16* rows, const TapRowSource* sources, int width) {
   wait_for_previous_kernel();
   start_next_kernel();
-  const int32_t source = sources[blockIdx.x];
-  if (source == kKeepRow) return;
+  const TapRowSource source = sources[blockIdx.x];
   bf16* destination = rows + static_cast<long>(blockIdx.x) * width;
-  if (source == kZeroRow) {
-    for (int i = threadIdx.x; i < width; i += kThreads) destination[i] = __ushort_as_bfloat16(0);
-    return;
+  switch (source.kind) {
+    case TapRowKind::Keep:
+      return;
+    case TapRowKind::Zero:
+      for (int i = threadIdx.x; i < width; i += kThreads) destination[i] = __ushort_as_bfloat16(0);
+      return;
+    case TapRowKind::Bf16:
+      for (int i = threadIdx.x; i < width; i += kThreads) destination[i] = static_cast<const bf16*>(source.row)[i];
+      return;
+    case TapRowKind::F32:
+      for (int i = threadIdx.x; i < width; i += kThreads)
+        destination[i] = __ushort_as_bfloat16(bf16_bits(static_cast<const float*>(source.row)[i]));
+      return;
   }
-  const bf16* row = staged + static_cast<long>(source) * width;
-  for (int i = threadIdx.x; i < width; i += kThreads) destination[i] = row[i];
 }
 
 }  // namespace
@@ -151,10 +159,9 @@ void gather_f32_to_bf16_forward(bf16* out, const float* const* sources, int rows
   CUDA_CHECK_LAUNCH();
 }
 
-void gather_staged_rows_forward(bf16* rows, const bf16* staged, const int32_t* sources, int count, int width,
-                                cudaStream_t stream) {
+void gather_tap_rows_forward(bf16* rows, const TapRowSource* sources, int count, int width, cudaStream_t stream) {
   if (count == 0) return;
-  launch_dependent(gather_staged_rows_kernel, count, kThreads, 0, stream, rows, staged, sources, width);
+  launch_dependent(gather_tap_rows_kernel, count, kThreads, 0, stream, rows, sources, width);
   CUDA_CHECK_LAUNCH();
 }
 

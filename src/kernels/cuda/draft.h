@@ -102,17 +102,23 @@ void f32_to_bf16_forward(__nv_bfloat16* out, const float* in, long count, cudaSt
 // out row i (width values) = bf16(sources[i][0 .. width)) for `rows` rows,
 // rounded as f32_to_bf16_forward: a round's accepted tap rows, wherever the
 // target's forward left them, into consecutive staging rows with one launch.
-// `sources` is a device array of device pointers.
+// `sources` is a device array of device pointers; a null one leaves its row
+// as it was (a row a pass has already read where the forward left it).
 void gather_f32_to_bf16_forward(__nv_bfloat16* out, const float* const* sources, int rows, int width,
                                 cudaStream_t stream);
 
-// Fills rows [count, width] of one context-extension pass from staged rows
-// [*, width]: rows[i] = staged[sources[i]] where sources[i] >= 0, zeros where
-// sources[i] == kZeroRow, untouched where it is kKeepRow (a row already copied
-// there from the host).
-constexpr int32_t kKeepRow = -1;
-constexpr int32_t kZeroRow = -2;
-void gather_staged_rows_forward(__nv_bfloat16* rows, const __nv_bfloat16* staged, const int32_t* sources, int count,
-                                int width, cudaStream_t stream);
+// Where row i of one context-extension pass comes from: a row the host
+// already copied there (Keep), zeros (Zero: padding), a row staged as bf16
+// (Bf16), or a target tap row still in f32 where the target's forward left it
+// (F32: converted here, rounded as f32_to_bf16_forward).
+enum class TapRowKind : int32_t { Keep = 0, Zero = 1, Bf16 = 2, F32 = 3 };
+struct TapRowSource {
+  const void* row;  // width values of the kind's type (Bf16, F32); unused otherwise
+  TapRowKind kind;
+};
+// rows [count, width] of the pass from `sources` [count] (device memory), one
+// launch whatever the mix.
+void gather_tap_rows_forward(__nv_bfloat16* rows, const TapRowSource* sources, int count, int width,
+                             cudaStream_t stream);
 
 }  // namespace dspark::cuda
