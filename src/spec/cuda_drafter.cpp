@@ -34,6 +34,12 @@ std::string layer_name(int layer, const char* tensor) { return "bb." + std::to_s
 
 long align_up(long value, long alignment) { return (value + alignment - 1) / alignment * alignment; }
 
+template <class Key>
+void destroy_graphs(std::map<Key, cudaGraphExec_t>& graphs) {
+  for (auto& [key, graph] : graphs) cudaGraphExecDestroy(graph);
+  graphs.clear();
+}
+
 DeviceBuffer<float> upload_f32(const float* values, size_t count) {
   DeviceBuffer<float> buffer(count);
   if (count) CUDA_CHECK(cudaMemcpy(buffer.data(), values, count * sizeof(float), cudaMemcpyHostToDevice));
@@ -186,8 +192,8 @@ CudaDrafter::CudaDrafter(const Drafter& drafter, const CudaTargetHead& head)
 
 CudaDrafter::~CudaDrafter() {
   enable_step_timing(false);
-  for (auto& [rows, graph] : graphs_) cudaGraphExecDestroy(graph);
-  for (auto& [rows, graph] : extend_graphs_) cudaGraphExecDestroy(graph);
+  destroy_graphs(graphs_);
+  destroy_graphs(extend_graphs_);
   if (device_staged_.size()) cudaStreamSynchronize(head_.stream);  // conversions into device_staged_
   if (stream_) {
     cudaStreamSynchronize(stream_);
@@ -211,8 +217,7 @@ void CudaDrafter::enable_step_timing(bool on) {
 void CudaDrafter::use_one_launch_head(bool on) {
   if (on == one_launch_head_) return;
   CUDA_CHECK(cudaStreamSynchronize(stream_));
-  for (auto& [bucket, graph] : graphs_) cudaGraphExecDestroy(graph);  // captured the other way
-  graphs_.clear();
+  destroy_graphs(graphs_);  // captured the other way
   one_launch_head_ = on;
 }
 
@@ -386,13 +391,8 @@ void CudaDrafter::flush_contexts_of(std::span<const CudaDraftRequest> requests) 
   // A device row not yet converted is read where the target's forward left it
   // (its entry in pending_sources_ is then cleared: nothing converts it).
   const int first_pending = device_staged_rows_ - static_cast<int>(pending_sources_.size());
-  struct Row {
-    Context* context;
-    int position;
-    const uint16_t* host_taps;  // bf16 bits on the host, or null: the row comes from `device`
-    cuda::TapRowSource device;
-  };
-  std::vector<Row> rows;
+  std::vector<ExtensionRow>& rows = extension_rows_;
+  rows.clear();
   bool device_rows = false, staged_rows_read = false;
   for (auto& [id, c] : contexts_) {
     if (c.staged_rows() == 0 || !flushed(id)) continue;
@@ -400,7 +400,7 @@ void CudaDrafter::flush_contexts_of(std::span<const CudaDraftRequest> requests) 
     size_t host_row = 0;
     for (int i = 0; i < c.staged_rows(); ++i) {
       const int32_t source = c.staged_sources[i];
-      Row row{&c, c.length + i, nullptr, {nullptr, cuda::TapRowKind::Keep}};
+      ExtensionRow row{&c, c.length + i, nullptr, {nullptr, cuda::TapRowKind::Keep}};
       if (source == kHostRow) {
         row.host_taps = c.staged.data() + host_row++ * width_;
       } else if (source >= first_pending) {
@@ -443,7 +443,7 @@ void CudaDrafter::flush_contexts_of(std::span<const CudaDraftRequest> requests) 
     auto* taps = reinterpret_cast<uint16_t*>(extend_staging_.data() + extend_taps_offset_);
     bool chunk_host_rows = false;
     for (int i = 0; i < padded; ++i) {
-      const Row* row = i < count ? &rows[begin + i] : nullptr;  // padding rows are computed and dropped
+      const ExtensionRow* row = i < count ? &rows[begin + i] : nullptr;  // padding rows are computed and dropped
       for (int l = 0; l < L; ++l)
         destinations[long(i) * L + l] = reinterpret_cast<uint64_t>(
             row ? row->context->storage.data() + (long(l) * row->context->capacity + row->position) * row_elements
@@ -532,8 +532,7 @@ int CudaDrafter::attention_splits(int rows) const {
 
 void CudaDrafter::ensure_rows(int rows) {
   if (rows <= max_rows_) return;
-  for (auto& [bucket, graph] : graphs_) cudaGraphExecDestroy(graph);  // they point at the old buffers
-  graphs_.clear();
+  destroy_graphs(graphs_);  // they point at the old buffers
   max_rows_ = rows;
   const DrafterConfig& c = config_;
   const size_t M = rows, R = size_t(c.gamma) * rows, d = c.d_draft, r = c.markov_rank;

@@ -156,6 +156,13 @@ class CudaDrafter {
     int staged_rows() const { return static_cast<int>(staged_sources.size()); }
   };
   static constexpr int32_t kHostRow = -1;
+  // One staged row of an extension pass: where it goes and where it comes from.
+  struct ExtensionRow {
+    Context* context;
+    int position;
+    const uint16_t* host_taps;  // bf16 bits on the host, or null: the row comes from `device`
+    cuda::TapRowSource device;
+  };
   // Byte offsets of one step's metadata for batches of up to `rows` rows; the
   // per-row arrays are indexed with the bucket's own row count.
   struct StepLayout {
@@ -232,6 +239,7 @@ class CudaDrafter {
   long pending_serial_ = -1;  // the device_taps_serial of the oldest of them (-1: not yet told)
   cuda::DeviceBuffer<const float*> pending_table_;
   std::vector<int> flushed_ids_;  // flush_contexts_of's requests' contexts, sorted (kept to reuse its storage)
+  std::vector<ExtensionRow> extension_rows_;  // flush_contexts_of's rows (likewise)
 
   // The draft step, sized for max_rows_ rows (γ * max_rows_ block rows).
   int max_rows_ = 0;
