@@ -154,6 +154,18 @@ CudaDrafter::CudaDrafter(const Drafter& drafter, const CudaTargetHead& head)
   head_embedding_ = upload_bf16(drafter["markov.w1"], size_t(V) * r);
   confidence_weight_ = upload_f32(drafter["conf.w"], size_t(d) + r);
   confidence_bias_ = upload_f32(drafter["conf.b"], 1);
+  if (kind_ == cuda::SequentialHeadKind::Markov) {
+    // The confidence logit's part from e_k = w1[x_{k-1}], for every token, from w1 as uploaded (bf16).
+    const float* w1 = drafter["markov.w1"];
+    const float* token_weight = drafter["conf.w"] + d;
+    std::vector<float> token_confidence(V);
+    for (int v = 0; v < V; ++v) {
+      float sum = 0.0f;
+      for (int i = 0; i < r; ++i) sum += bf16_to_f32(f32_to_bf16(w1[size_t(v) * r + i])) * token_weight[i];
+      token_confidence[v] = sum;
+    }
+    token_confidence_ = upload_f32(token_confidence.data(), V);
+  }
   if (kind_ == cuda::SequentialHeadKind::Rnn) {
     head_out_ = upload_bf16(drafter["rnn.wO"], size_t(r) * V);
     recurrent_ = upload_f32(drafter["rnn.wH"], size_t(r) * r);
@@ -553,6 +565,7 @@ void CudaDrafter::ensure_rows(int rows) {
   head_input_.resize(R * H);
   logits_.resize(R * V);
   e_.resize(M * r);
+  hidden_logits_.resize(size_t(c.gamma) * M);
   state_.resize(M * r);
   recurrent_input_.resize(M * (2 * r + d));
   recurrent_pre_.resize(M * 3 * r);
@@ -803,7 +816,7 @@ void CudaDrafter::run_step(int rows, bool greedy) {
 
   // The sequential head, position by position for all rows: L_k = U_k + B_k in place, then x_k.
   const cuda::SequentialHeadWeights weights{head_embedding_.data(), confidence_weight_.data(), confidence_bias_.data(),
-                                            temperatures_.data()};
+                                            temperatures_.data(), token_confidence_.data()};
   const cuda::SequentialHeadState head{anchors,    limits,        tokens, greedy ? argmax_keys_.data() : nullptr,
                                        confidence, alive_.data(), count,  alive_rows_.data()};
   if (greedy && kind_ == cuda::SequentialHeadKind::Markov && one_launch_head_ &&
@@ -815,6 +828,10 @@ void CudaDrafter::run_step(int rows, bool greedy) {
     p.mark("markov head", s);
     return;
   }
+  // At one or two rows the Markov head's positions find e_k, c_k and pruning inside their products
+  // (markov_position_forward: no prepare kernel between positions); with more rows each block has more
+  // verdicts to reach before its weights stream, and the prepare kernel pays (docs/PERF.md, stop 33).
+  const bool markov_in_product = kind_ == cuda::SequentialHeadKind::Markov && B <= 2;
   for (int k = 0; k < gamma; ++k) {
     float* logits = logits_.data() + long(k) * B * V;
     const int32_t* any_alive = alive_rows_.data() + k;
@@ -827,28 +844,35 @@ void CudaDrafter::run_step(int rows, bool greedy) {
         cuda::matmul_in_out_forward(logits, x, head_out_.data(), nullptr, B, r, V, true, any_alive, s);
       p.mark(greedy ? "head vocab gemm+argmax" : "head vocab gemm", s);
     };
-    cuda::sequential_head_prepare_forward(e_.data(), recurrent_input_.data(), state_.data(), hidden_.data(), k, B, r, d,
-                                          V, kind_, weights, control, head, s);
-    p.mark("head prepare", s);
-    switch (kind_) {
-      case cuda::SequentialHeadKind::Markov:  // B = e @ w2
-        vocabulary_head(e_.data());
-        break;
-      case cuda::SequentialHeadKind::Rnn:  // s = tanh(s @ wH + e + bH); B = s @ wO
-        cuda::matmul_in_out_forward(recurrent_pre_.data(), state_.data(), recurrent_.data(), recurrent_bias_.data(), B,
-                                    r, r, false, any_alive, s);
-        cuda::recurrent_update_forward(state_.data(), nullptr, recurrent_pre_.data(), e_.data(), B, r, kind_, s);
-        p.mark("head recurrent", s);
-        vocabulary_head(state_.data());
-        break;
-      case cuda::SequentialHeadKind::Gru:  // [g, c, o] = z @ wJ + bJ; s = σ(g) s + (1 - σ(g)) tanh(c); B = tanh(o) @ w2
-        cuda::matmul_in_out_forward(recurrent_pre_.data(), recurrent_input_.data(), recurrent_.data(),
-                                    recurrent_bias_.data(), B, 2 * r + d, 3 * r, false, any_alive, s);
-        cuda::recurrent_update_forward(state_.data(), head_output_.data(), recurrent_pre_.data(), e_.data(), B, r,
-                                       kind_, s);
-        p.mark("head recurrent", s);
-        vocabulary_head(head_output_.data());
-        break;
+    if (markov_in_product) {  // B = e @ w2
+      cuda::markov_position_forward(logits, greedy ? argmax_keys_.data() : nullptr, head_out_.data(), hidden_.data(),
+                                    hidden_logits_.data(), k, B, gamma, r, d, V, weights, control, head, s);
+      p.mark(greedy ? "head position gemm+argmax" : "head position gemm", s);
+    } else {
+      cuda::sequential_head_prepare_forward(e_.data(), recurrent_input_.data(), state_.data(), hidden_.data(), k, B, r,
+                                            d, V, kind_, weights, control, head, s);
+      p.mark("head prepare", s);
+      switch (kind_) {
+        case cuda::SequentialHeadKind::Markov:  // B = e @ w2
+          vocabulary_head(e_.data());
+          break;
+        case cuda::SequentialHeadKind::Rnn:  // s = tanh(s @ wH + e + bH); B = s @ wO
+          cuda::matmul_in_out_forward(recurrent_pre_.data(), state_.data(), recurrent_.data(), recurrent_bias_.data(),
+                                      B, r, r, false, any_alive, s);
+          cuda::recurrent_update_forward(state_.data(), nullptr, recurrent_pre_.data(), e_.data(), B, r, kind_, s);
+          p.mark("head recurrent", s);
+          vocabulary_head(state_.data());
+          break;
+        case cuda::SequentialHeadKind::Gru:  // [g, c, o] = z @ wJ + bJ; s = σ(g) s + (1 - σ(g)) tanh(c); B = tanh(o) @
+                                             // w2
+          cuda::matmul_in_out_forward(recurrent_pre_.data(), recurrent_input_.data(), recurrent_.data(),
+                                      recurrent_bias_.data(), B, 2 * r + d, 3 * r, false, any_alive, s);
+          cuda::recurrent_update_forward(state_.data(), head_output_.data(), recurrent_pre_.data(), e_.data(), B, r,
+                                         kind_, s);
+          p.mark("head recurrent", s);
+          vocabulary_head(head_output_.data());
+          break;
+      }
     }
     if (!greedy) {
       cuda::select_tokens_forward(tokens + long(k) * B, logits, uniforms + long(k) * B, params, B, V, s);

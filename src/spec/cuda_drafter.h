@@ -215,6 +215,7 @@ class CudaDrafter {
   cuda::DeviceBuffer<bf16> head_out_;                              // [r, V] markov.w2 (Markov, GRU) or rnn.wO
   cuda::DeviceBuffer<float> recurrent_, recurrent_bias_;           // rnn.wH [r, r], bH [r] / gru.wJ [2r+d, 3r], bJ [3r]
   cuda::DeviceBuffer<float> confidence_weight_, confidence_bias_;  // [d + r], [1]
+  cuda::DeviceBuffer<float> token_confidence_;                     // [V] w1[v] . conf.w[d:] (Markov head)
   cuda::DeviceBuffer<float> temperatures_;                         // [γ]
 
   // Retained contexts and the batched pass that extends them.
@@ -249,6 +250,7 @@ class CudaDrafter {
   cuda::DeviceBuffer<bf16> anchor_rows_, normed_, kvq_, attention_, projected_, gate_up_, activated_, head_input_;
   cuda::DeviceBuffer<float> token_rows_, block_, hidden_, logits_, partial_out_, partial_lse_;
   cuda::DeviceBuffer<float> e_, state_, recurrent_input_, recurrent_pre_, head_output_;
+  cuda::DeviceBuffer<float> hidden_logits_;  // [γ, B] h_k . conf.w[:d] (Markov head, per position)
   cuda::DeviceBuffer<int32_t> results_;  // tokens [γ, B], confidence [γ, B] (f32 bits), count [B]
   cuda::DeviceBuffer<int32_t> alive_, alive_rows_;
   cuda::DeviceBuffer<unsigned long long> argmax_keys_;  // [γ, B] greedy token selection

@@ -311,12 +311,16 @@ TEST(CudaDraftOps, SequentialHeadPrepareConfidenceAndPruning) {
   }
 }
 
-TEST(CudaDraftOps, OneLaunchMarkovHeadEqualsThePerPositionKernels) {
-  // markov_head_forward against sequential_head_prepare_forward + matmul_in_out_argmax_forward per position +
-  // argmax_tokens_forward: the same logits, keys, tokens, counts and alive rows, bit for bit; confidences up to
-  // their dot product's order. Qwen3-8B's vocabulary at rank 64 (weights in registers and shared memory), the demo
-  // drafter's shape, small ones, row groups of 1, 2 and 4 (6 = 4 + 2), a padding row, pruning, every row pruned.
+TEST(CudaDraftOps, MarkovHeadKernelsEqualThePrepareAndProductKernels) {
+  // The reference: sequential_head_prepare_forward + matmul_in_out(_argmax)_forward per position (+
+  // argmax_tokens_forward). markov_position_forward per position, greedy and sampled, and markov_head_forward
+  // (greedy, where w2 fits on chip) give the same counts and alive rows; the same logits and tokens, bit for bit,
+  // at every (row, position) kept; confidences up to their dot product's order. Qwen3-8B's vocabulary at rank 64
+  // (on chip) and 256 (per position only), the demo drafter's shape, small ones, a vocabulary not a multiple of 8
+  // (per position only, weights read one by one), row groups of 1, 2, 4 and 8 (10 = 8 + 2, the second all padding),
+  // a padding row, pruning, every row pruned.
   enum class Floor { None, Between, Above };  // none; between row 0's confidences; above every confidence
+  enum class Head { Reference, PerPosition, OneLaunch };
   struct Case {
     int B, r, V;
     Floor floor;
@@ -326,58 +330,82 @@ TEST(CudaDraftOps, OneLaunchMarkovHeadEqualsThePerPositionKernels) {
   CUDA_CHECK(cudaMemset(barrier.data(), 0, barrier.bytes()));
   EXPECT_FALSE(cuda::markov_head_supported(1, gamma, 256, 151936, nullptr)) << "Qwen3-8B's w2 does not fit on chip";
   for (const Case& test :
-       {Case{1, 64, 151936, Floor::None}, Case{1, 64, 8192, Floor::None}, Case{2, 128, 50000, Floor::Between},
-        Case{3, 16, 1000, Floor::None}, Case{6, 64, 8192, Floor::Between}, Case{4, 8, 512, Floor::Above}}) {
+       {Case{1, 64, 151936, Floor::None}, Case{1, 256, 151936, Floor::Between}, Case{1, 64, 8192, Floor::None},
+        Case{2, 128, 50000, Floor::Between}, Case{3, 16, 1000, Floor::None}, Case{6, 64, 8192, Floor::Between},
+        Case{4, 8, 512, Floor::Above}, Case{10, 32, 2048, Floor::Between}, Case{2, 16, 1001, Floor::None}}) {
     const int B = test.B, r = test.r, V = test.V;
     const std::string what = "B " + std::to_string(B) + " r " + std::to_string(r) + " V " + std::to_string(V);
     Rng rng(B * 131 + r);
     std::vector<int32_t> anchors(B), limits(B, gamma);
     for (int32_t& anchor : anchors) anchor = int32_t(rng.next() % V);
     if (B >= 3) limits[1] = 0, limits[2] = 3;  // a padding row; a row cut at 3
+    if (B == 10) limits[8] = limits[9] = 0;    // a second row group of padding alone
+    std::vector<int32_t> sampled(size_t(gamma) * B);  // the tokens a sampled head would have drawn
+    for (int32_t& token : sampled) token = int32_t(rng.next() % V);
     const auto w1 = bf16_rounded(random_values(size_t(V) * r, 200 + B, 1.0f));
     const auto w2 = bf16_rounded(random_values(size_t(r) * V, 300 + B, 1.0f));
     const auto hidden = random_values(size_t(gamma) * B * d, 400 + B);
     const auto lm_logits = random_values(size_t(gamma) * B * V, 500 + B, 4.0f);
     const auto confidence_weight = random_values(d + r, 600 + B, 0.3f);
+    std::vector<float> token_confidence(V, 0.0f);
+    for (int v = 0; v < V; ++v)
+      for (int i = 0; i < r; ++i) token_confidence[v] += w1[size_t(v) * r + i] * confidence_weight[d + i];
     const std::vector<float> bias = {0.2f}, temperatures = {1.0f, 0.9f, 1.1f, 1.3f, 0.8f, 1.0f, 1.2f};
     cuda::DraftControl control{};
     auto w1_device = to_device_bf16(w1), w2_device = to_device_bf16(w2);
     auto weight_device = to_device(confidence_weight), bias_device = to_device(bias);
     auto temperatures_device = to_device(temperatures), hidden_device = to_device(hidden);
     auto anchors_device = to_device(anchors), limits_device = to_device(limits);
+    auto token_confidence_device = to_device(token_confidence);
     DeviceBuffer<cuda::DraftControl> control_device(1);
     auto set_control = [&] {
       CUDA_CHECK(cudaMemcpy(control_device.data(), &control, sizeof(control), cudaMemcpyHostToDevice));
     };
     set_control();
     const cuda::SequentialHeadWeights weights{w1_device.data(), weight_device.data(), bias_device.data(),
-                                              temperatures_device.data()};
-    ASSERT_TRUE(cuda::markov_head_supported(B, gamma, r, V, w2_device.data())) << what;
+                                              temperatures_device.data(), token_confidence_device.data()};
+    const bool on_chip = cuda::markov_head_supported(B, gamma, r, V, w2_device.data());
+    if (r < 256 && V % 8 == 0) {
+      EXPECT_TRUE(on_chip) << what;
+    }
     struct Outputs {
       std::vector<float> logits, confidence;
       std::vector<int32_t> tokens, count, alive_rows;
     };
-    auto run = [&](bool one_launch) {
+    auto run = [&](Head kind, bool greedy) {
       auto logits = to_device(lm_logits);
       auto keys = to_device(std::vector<unsigned long long>(size_t(gamma) * B, 0));
       auto alive_rows = to_device(std::vector<int32_t>(gamma, 0));
-      DeviceBuffer<int32_t> tokens(gamma * B), alive(B), count(B);
-      DeviceBuffer<float> confidence(gamma * B), e(B * r);
+      auto tokens = to_device(greedy ? std::vector<int32_t>(size_t(gamma) * B, 0) : sampled);
+      DeviceBuffer<int32_t> alive(B), count(B);
+      DeviceBuffer<float> confidence(gamma * B), e(B * r), hidden_logits(gamma * B);
+      unsigned long long* greedy_keys = greedy ? keys.data() : nullptr;
       const cuda::SequentialHeadState head{anchors_device.data(), limits_device.data(), tokens.data(),
-                                           keys.data(),           confidence.data(),    alive.data(),
+                                           greedy_keys,           confidence.data(),    alive.data(),
                                            count.data(),          alive_rows.data()};
-      if (one_launch) {
+      if (kind == Head::OneLaunch) {
         cuda::markov_head_forward(logits.data(), keys.data(), w2_device.data(), hidden_device.data(), B, gamma, r, d, V,
                                   weights, control_device.data(), head, barrier.data(), nullptr);
       } else {
         for (int k = 0; k < gamma; ++k) {
+          float* position_logits = logits.data() + size_t(k) * B * V;
+          if (kind == Head::PerPosition) {
+            cuda::markov_position_forward(position_logits, greedy_keys, w2_device.data(), hidden_device.data(),
+                                          hidden_logits.data(), k, B, gamma, r, d, V, weights, control_device.data(),
+                                          head, nullptr);
+            continue;
+          }
           cuda::sequential_head_prepare_forward(e.data(), nullptr, nullptr, hidden_device.data(), k, B, r, d, V,
                                                 cuda::SequentialHeadKind::Markov, weights, control_device.data(), head,
                                                 nullptr);
-          cuda::matmul_in_out_argmax_forward(logits.data() + size_t(k) * B * V, e.data(), w2_device.data(), nullptr, B,
-                                             r, V, true, keys.data() + k * B, alive_rows.data() + k, nullptr);
+          if (greedy)
+            cuda::matmul_in_out_argmax_forward(position_logits, e.data(), w2_device.data(), nullptr, B, r, V, true,
+                                               keys.data() + k * B, alive_rows.data() + k, nullptr);
+          else
+            cuda::matmul_in_out_forward(position_logits, e.data(), w2_device.data(), nullptr, B, r, V, true,
+                                        alive_rows.data() + k, nullptr);
         }
-        cuda::argmax_tokens_forward(tokens.data(), keys.data(), gamma * B, nullptr);
+        if (greedy) cuda::argmax_tokens_forward(tokens.data(), keys.data(), gamma * B, nullptr);
       }
       return Outputs{from_device(logits), from_device(confidence), from_device(tokens), from_device(count),
                      from_device(alive_rows)};
@@ -385,28 +413,40 @@ TEST(CudaDraftOps, OneLaunchMarkovHeadEqualsThePerPositionKernels) {
     if (test.floor == Floor::Above) {
       control.min_confidence = 1.1f;
     } else if (test.floor == Floor::Between) {  // between row 0's 3rd and 4th smallest confidences at positions 1..6
-      const std::vector<float> unpruned = run(false).confidence;
+      const std::vector<float> unpruned = run(Head::Reference, true).confidence;
       std::vector<float> row;
       for (int k = 1; k < gamma; ++k) row.push_back(unpruned[k * B]);
       std::sort(row.begin(), row.end());
       control.min_confidence = 0.5f * (row[2] + row[3]);
     }
     set_control();
-    const Outputs expected = run(false), got = run(true), again = run(true);
-    EXPECT_TRUE(again.logits == got.logits && again.tokens == got.tokens) << what << ": a second launch differs";
-    EXPECT_EQ(got.count, expected.count) << what;
-    EXPECT_EQ(got.alive_rows, expected.alive_rows) << what;
-    int drafted = 0;  // positions some row drafted: the rest are skipped by both
-    while (drafted < gamma && expected.alive_rows[drafted] > 0) ++drafted;
-    if (test.floor == Floor::Above) {
-      EXPECT_EQ(drafted, 1) << what << ": a floor above every confidence keeps position 0 alone";
-    } else if (test.floor == Floor::Between) {
-      EXPECT_LT(expected.count[0], gamma) << what << ": the floor prunes nothing (the case tests less than it says)";
+    for (const bool greedy : {true, false}) {
+      const Outputs expected = run(Head::Reference, greedy);
+      if (test.floor == Floor::Above) {
+        EXPECT_EQ(expected.alive_rows[1], 0) << what << ": a floor above every confidence keeps position 0 alone";
+      } else if (test.floor == Floor::Between && greedy) {  // (the sampled tokens give other confidences)
+        EXPECT_LT(expected.count[0], gamma) << what << ": the floor prunes nothing (the case tests less than it says)";
+      }
+      for (const Head kind : {Head::PerPosition, Head::OneLaunch}) {
+        if (kind == Head::OneLaunch && (!greedy || !on_chip)) continue;
+        const std::string how =
+            what + (kind == Head::OneLaunch ? " one launch" : " per position") + (greedy ? " greedy" : " sampled");
+        const Outputs got = run(kind, greedy), again = run(kind, greedy);
+        EXPECT_TRUE(again.logits == got.logits && again.tokens == got.tokens) << how << ": a second launch differs";
+        EXPECT_EQ(got.count, expected.count) << how;
+        EXPECT_EQ(got.alive_rows, expected.alive_rows) << how;
+        for (int b = 0; b < B; ++b) {
+          for (int k = 0; k < expected.count[b]; ++k) {  // the (row, position) pairs kept
+            const size_t slot = size_t(k) * B + b;
+            EXPECT_NEAR(got.confidence[slot], expected.confidence[slot], 1e-5) << how << " slot " << slot;
+            EXPECT_EQ(got.tokens[slot], expected.tokens[slot]) << how << " slot " << slot;
+            EXPECT_TRUE(std::equal(got.logits.begin() + slot * V, got.logits.begin() + (slot + 1) * V,
+                                   expected.logits.begin() + slot * V))
+                << how << ": logits differ at slot " << slot;
+          }
+        }
+      }
     }
-    for (int i = 0; i < drafted * B; ++i)
-      EXPECT_NEAR(got.confidence[i], expected.confidence[i], 1e-5) << what << " slot " << i;
-    EXPECT_EQ(got.tokens, expected.tokens) << what;
-    EXPECT_TRUE(got.logits == expected.logits) << what << ": logits differ";
   }
 }
 
@@ -647,23 +687,28 @@ TEST_P(CudaDrafting, GraphReplaysEqualTheEagerStep) {
 // fit on chip: Qwen3-8B's) against its one-launch head, through whole steps.
 TEST_P(CudaDrafting, PerPositionMarkovHeadEqualsTheOneLaunchHead) {
   if (drafter_.config.seq_head != "markov") GTEST_SKIP() << "the one-launch head is the greedy Markov head's";
-  const std::vector<int> lengths = {9, 4, 12};  // three rows: a bucket of 4 with a padding row
-  std::vector<CudaDraftRequest> requests;
-  for (int length : lengths) requests.push_back({gpu_context(length), tokens_[length], nullptr});
-  DraftOptions options;
-  options.collect_logits = true;
-  std::vector<DraftResult> one_launch, per_position;
-  gpu_->draft(requests, options, one_launch);
-  gpu_->use_one_launch_head(false);
-  for (int run = 0; run < 3; ++run) {  // eager, then graph replays
-    gpu_->draft(requests, options, per_position);
-    for (size_t i = 0; i < requests.size(); ++i) {
-      const std::string what = "row " + std::to_string(i) + " run " + std::to_string(run);
-      EXPECT_EQ(per_position[i].tokens, one_launch[i].tokens) << what;
-      EXPECT_EQ(per_position[i].logits, one_launch[i].logits) << what;
-      ASSERT_EQ(per_position[i].confidence.size(), one_launch[i].confidence.size()) << what;
-      for (size_t k = 0; k < one_launch[i].confidence.size(); ++k)  // the same sum in another order
-        EXPECT_NEAR(per_position[i].confidence[k], one_launch[i].confidence[k], 1e-5f) << what << " position " << k;
+  // One row (positions found inside their products) and three (a bucket of 4 with a padding row: prepare
+  // kernels), each against the one-launch head.
+  for (const std::vector<int>& lengths : {std::vector<int>{9}, std::vector<int>{9, 4, 12}}) {
+    std::vector<CudaDraftRequest> requests;
+    for (int length : lengths) requests.push_back({gpu_context(length), tokens_[length], nullptr});
+    DraftOptions options;
+    options.collect_logits = true;
+    std::vector<DraftResult> one_launch, per_position;
+    gpu_->use_one_launch_head(true);
+    gpu_->draft(requests, options, one_launch);
+    gpu_->use_one_launch_head(false);
+    for (int run = 0; run < 3; ++run) {  // eager, then graph replays
+      gpu_->draft(requests, options, per_position);
+      for (size_t i = 0; i < requests.size(); ++i) {
+        const std::string what =
+            std::to_string(lengths.size()) + " rows, row " + std::to_string(i) + " run " + std::to_string(run);
+        EXPECT_EQ(per_position[i].tokens, one_launch[i].tokens) << what;
+        EXPECT_EQ(per_position[i].logits, one_launch[i].logits) << what;
+        ASSERT_EQ(per_position[i].confidence.size(), one_launch[i].confidence.size()) << what;
+        for (size_t k = 0; k < one_launch[i].confidence.size(); ++k)  // the same sum in another order
+          EXPECT_NEAR(per_position[i].confidence[k], one_launch[i].confidence[k], 1e-5f) << what << " position " << k;
+      }
     }
   }
 }

@@ -3,6 +3,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/draft.h"
+#include "kernels/cuda/sequential_head.cuh"
 
 namespace dspark::cuda {
 namespace {
@@ -58,12 +59,9 @@ __global__ void __launch_bounds__(kThreads)
   }
   const float logit = (block_sum(partial, scratch) + weights.confidence_bias[0]) / weights.temperatures[position];
   if (threadIdx.x != 0) return;
-  const float confidence = 1.0f / (1.0f + expf(-logit));
+  const float confidence = confidence_of(logit);
   head.confidence[position * rows + b] = confidence;
-  const bool below =
-      (control->has_thresholds && confidence < control->thresholds[position]) || confidence < control->min_confidence;
-  bool alive = position == 0 || head.alive[b] != 0;
-  if (position >= head.limits[b] || (position >= 1 && below)) alive = false;  // position 0 is always kept
+  const bool alive = position_kept(position, confidence, head.alive[b] != 0, head.limits[b], control);
   head.alive[b] = alive;
   if (position == 0) head.count[b] = 0;
   if (alive) {

@@ -37,6 +37,7 @@ struct SequentialHeadWeights {
   const float* confidence_weight;  // [d + r] conf.w
   const float* confidence_bias;    // [1] conf.b
   const float* temperatures;       // [γ] the STS temperature of each position's confidence logit (1: none)
+  const float* token_confidence = nullptr;  // [V] w1[v] . conf.w[d:] (markov_position_forward only)
 };
 
 // What the head reads and writes across positions (device memory).
@@ -63,6 +64,24 @@ void sequential_head_prepare_forward(float* e, float* recurrent_input, float* st
                                      int rows, int rank, int width, int vocab, SequentialHeadKind kind,
                                      const SequentialHeadWeights& weights, const DraftControl* control,
                                      const SequentialHeadState& head, cudaStream_t stream);
+
+// Position k of the Markov head for every row in one launch: what
+// sequential_head_prepare_forward and matmul_in_out_argmax_forward (greedy;
+// matmul_in_out_forward when sampled) do at k, with the same logits and keys
+// for every (row, position) kept, and confidences equal up to the order of
+// their dot product's sum (c_k's logit is (h_k . conf.w[:d] +
+// weights.token_confidence[x_{k-1}] + conf.b) / T_k). The product is skipped
+// for rows no longer drafting, so a pruned row's later logits and keys are
+// left unspecified (they are never read). logits [B, V]: position k's,
+// holding U_k; argmax_keys [γ, B] (zeroed before position 0): greedy, x_{k-1}
+// read at k - 1 and position k's keys written; null: sampled, x_{k-1} read
+// from head.tokens. hidden_logits [γ, B]: written at position 0 (h_k .
+// conf.w[:d] for every k), read after. head.alive_rows zeroed before
+// position 0; head.argmax_keys is not read.
+void markov_position_forward(float* logits, unsigned long long* argmax_keys, const __nv_bfloat16* w2,
+                             const float* hidden, float* hidden_logits, int position, int rows, int gamma, int rank,
+                             int width, int vocab, const SequentialHeadWeights& weights, const DraftControl* control,
+                             const SequentialHeadState& head, cudaStream_t stream);
 
 // The greedy Markov head's γ positions for every row in one launch, with the
 // results of sequential_head_prepare_forward, matmul_in_out_argmax_forward

@@ -1,5 +1,6 @@
-// The greedy Markov head of a draft step in one persistent launch
-// (markov_head_forward in draft.h).
+// The Markov head's kernels (draft.h): one launch per position for any
+// vocabulary (markov_position_forward, at the end of the file), and the greedy
+// head of a whole draft step in one persistent launch (markov_head_forward).
 //
 // Why one launch: position k needs x_{k-1}, the argmax of the whole
 // vocabulary at k-1, so the per-position kernels launch a prepare and a
@@ -26,6 +27,8 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/draft.h"
+#include "kernels/cuda/in_out_product.cuh"
+#include "kernels/cuda/sequential_head.cuh"
 
 namespace dspark::cuda {
 namespace {
@@ -55,13 +58,8 @@ struct Plan {
 template <int ROWS>
 __device__ __forceinline__ void accumulate(float (&sums)[ROWS][8], uint4 packed, const float* x, int rank,
                                            int feature) {
-  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
   float w[8];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 pair = __bfloat1622float2(pairs[j]);
-    w[2 * j] = pair.x, w[2 * j + 1] = pair.y;
-  }
+  unpack_eight(packed, w);
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const float value = x[r * rank + feature];
@@ -186,11 +184,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (lane == 0) {
         previous[b] = token;
         const float logit = (hidden_part[k * rows + b] + dot + weights.confidence_bias[0]) / weights.temperatures[k];
-        const float confidence = 1.0f / (1.0f + expf(-logit));
-        const bool below =
-            (control->has_thresholds && confidence < control->thresholds[k]) || confidence < control->min_confidence;
-        bool kept = k == 0 || alive[b] != 0;
-        if (k >= head.limits[b] || (k >= 1 && below)) kept = false;  // position 0 is always kept
+        const float confidence = confidence_of(logit);
+        const bool kept = position_kept(k, confidence, k > 0 && alive[b] != 0, head.limits[b], control);
         alive[b] = kept;
         if (blockIdx.x == 0) {
           head.confidence[k * rows + b] = confidence;
@@ -294,6 +289,97 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = t; i < gamma * rows; i += kThreads) head.tokens[i] = argmax_index(__ldcg(argmax_keys + i));
 }
 
+// Position k of the Markov head for the rows of block row y, with no prepare
+// kernel between two positions' products: every block finds its rows' x_{k-1}
+// and verdicts itself, from a few loads (the confidence logit is h_k .
+// conf.w[:d], written by the writer blocks at position 0, plus the token's
+// w1[x_{k-1}] . conf.w[d:] from a table made at upload), gathers e_k = w1[x_{k-1}]
+// as it multiplies, and leaves if none of its rows is still drafting. The
+// writer blocks (x = 0) write the confidences and verdicts. "Kept position
+// k - 1" is read as count >= k: the writer only ever raises a count to k + 1
+// here, so a block that reads it as it is written reaches the same verdict.
+// At one row each thread loads its first two weight octets before the wait.
+// Up to two rows, registers are capped at five blocks a multiprocessor so that
+// Qwen3-8B's 594 blocks run in one wave and leave little room for the next
+// position's blocks to sit waiting early; the uncapped kernel, with up to
+// eight blocks a multiprocessor, made each position slower (docs/PERF.md,
+// stop 33).
+template <int ROWS>
+constexpr int kPositionBlocks = ROWS <= 2 ? 5 : 1;  // blocks a multiprocessor at least
+
+template <int ROWS, bool VECTOR, bool ARGMAX>
+__global__ void __launch_bounds__(kInOutSlices * 32, kPositionBlocks<ROWS>)
+    markov_position_kernel(float* logits, unsigned long long* argmax_keys, const bf16* w2, const float* hidden,
+                           float* hidden_logits, int k, int rows, int gamma, int rank, int width, int vocab,
+                           SequentialHeadWeights weights, const DraftControl* control, SequentialHeadState head) {
+  FirstWeights<VECTOR && ROWS == 1 ? 2 : 0> first;
+  in_out_first_weights(first, w2, rank, vocab);  // nothing before this kernel writes w2
+  wait_for_previous_kernel();
+  start_next_kernel();
+  const int first_row = blockIdx.y * ROWS, row_count = min(ROWS, rows - first_row);
+  const bool writer = blockIdx.x == 0;
+  if (k == 0 && writer) {  // h . conf.w[:d] of the block's rows at every position
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int i = warp; i < gamma * row_count; i += kInOutSlices) {
+      const long slot = static_cast<long>(i / row_count) * rows + first_row + i % row_count;
+      float dot = 0.0f;
+      for (int f = lane; f < width; f += 32) dot += hidden[slot * width + f] * weights.confidence_weight[f];
+      dot = warp_sum(dot);
+      if (lane == 0) hidden_logits[slot] = dot;
+    }
+    __syncthreads();
+  }
+  GatheredRows<ROWS> e;
+  int kept_rows = 0;
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    e.rows[r] = weights.embedding;  // rows past the batch are never read
+    if (r >= row_count) continue;
+    const int b = first_row + r;
+    const long previous_slot = static_cast<long>(k - 1) * rows + b;
+    int token = k == 0        ? head.anchors[b]
+                : argmax_keys ? argmax_index(__ldcg(argmax_keys + previous_slot))
+                              : __ldcg(head.tokens + previous_slot);
+    token = min(max(token, 0), vocab - 1);  // a pruned row's later tokens are never used, but stay in range
+    e.rows[r] = weights.embedding + static_cast<long>(token) * rank;
+    if (k == 0 && !writer) {  // position 0 needs no confidence to be kept
+      kept_rows += 0 < head.limits[b];
+      continue;
+    }
+    const float logit = (__ldcg(hidden_logits + static_cast<long>(k) * rows + b) + weights.token_confidence[token] +
+                         weights.confidence_bias[0]) /
+                        weights.temperatures[k];
+    const float confidence = confidence_of(logit);
+    const bool kept = position_kept(k, confidence, k > 0 && __ldcg(head.count + b) >= k, head.limits[b], control);
+    kept_rows += kept;
+    if (writer && threadIdx.x == 0) {
+      head.confidence[k * rows + b] = confidence;
+      head.alive[b] = kept;
+      if (kept || k == 0) head.count[b] = kept ? k + 1 : 0;
+    }
+  }
+  if (writer && threadIdx.x == 0 && kept_rows > 0) atomicAdd(head.alive_rows + k, kept_rows);
+  if (kept_rows == 0) return;  // the same in every thread: no barrier is skipped
+  in_out_product<bf16, ROWS, VECTOR, ARGMAX>(
+      logits + static_cast<long>(first_row) * vocab, e, w2, nullptr, row_count, rank, vocab, true,
+      ARGMAX ? argmax_keys + static_cast<long>(k) * rows + first_row : nullptr, first);
+}
+
+template <int ROWS>
+void launch_markov_position(float* logits, unsigned long long* argmax_keys, const bf16* w2, const float* hidden,
+                            float* hidden_logits, int position, int rows, int gamma, int rank, int width, int vocab,
+                            const SequentialHeadWeights& weights, const DraftControl* control,
+                            const SequentialHeadState& head, cudaStream_t stream) {
+  const bool vector = vocab % 8 == 0 && reinterpret_cast<uintptr_t>(w2) % 16 == 0;
+  auto kernel =
+      vector ? (argmax_keys ? markov_position_kernel<ROWS, true, true> : markov_position_kernel<ROWS, true, false>)
+             : (argmax_keys ? markov_position_kernel<ROWS, false, true> : markov_position_kernel<ROWS, false, false>);
+  const dim3 grid(ceil_div(vocab, kInOutColumns), ceil_div(rows, ROWS));
+  launch_dependent(kernel, grid, kInOutSlices * 32, 0, stream, logits, argmax_keys, w2, hidden, hidden_logits, position,
+                   rows, gamma, rank, width, vocab, weights, control, head);
+  CUDA_CHECK_LAUNCH();
+}
+
 int rows_per_pass(int rows) { return rows <= 2 ? rows : kMaxRows; }  // the kernel's ROWS for a batch
 
 int register_loads(int rows_per_pass) {
@@ -368,6 +454,23 @@ void markov_head_forward(float* logits, unsigned long long* argmax_keys, const b
   const int group = rows_per_pass(rows);
   auto launch = group == 1 ? launch_markov_head<1> : group == 2 ? launch_markov_head<2> : launch_markov_head<kMaxRows>;
   launch(logits, argmax_keys, w2, hidden, rows, gamma, rank, width, vocab, weights, control, head, barrier, stream);
+}
+
+void markov_position_forward(float* logits, unsigned long long* argmax_keys, const bf16* w2, const float* hidden,
+                             float* hidden_logits, int position, int rows, int gamma, int rank, int width, int vocab,
+                             const SequentialHeadWeights& weights, const DraftControl* control,
+                             const SequentialHeadState& head, cudaStream_t stream) {
+  DSPARK_CHECK(gamma >= 1 && gamma <= kMaxDraftGamma && position >= 0 && position < gamma, "Markov head: position ",
+               position, " of gamma ", gamma, " is outside 0..", kMaxDraftGamma - 1);
+  DSPARK_CHECK(weights.token_confidence, "Markov head: the per-position kernel needs the tokens' confidence table");
+  if (rows == 0) return;
+  const int group = in_out_rows_per_block(rows);
+  auto launch = group == 1   ? launch_markov_position<1>
+                : group == 2 ? launch_markov_position<2>
+                : group == 4 ? launch_markov_position<4>
+                             : launch_markov_position<8>;
+  launch(logits, argmax_keys, w2, hidden, hidden_logits, position, rows, gamma, rank, width, vocab, weights, control,
+         head, stream);
 }
 
 }  // namespace dspark::cuda

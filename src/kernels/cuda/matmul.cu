@@ -18,6 +18,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device.h"
+#include "kernels/cuda/in_out_product.cuh"
 #include "kernels/cuda/matmul.h"
 #include "kernels/cuda/rmsnorm.cuh"
 #include "kernels/cuda/rmsnorm.h"
@@ -663,48 +664,8 @@ void matmul(void* out, MatmulOutput out_type, Epilogue epilogue, const bf16* x, 
 
 namespace {
 
-// [in, out] products for few rows (the drafter's sequential head): x @ W with
-// W stored [in, out]. Each block owns kInOutColumns output columns; lane l of
-// warp w owns columns l*8 .. l*8+7 and the input features i = w, w + 8, ...:
-// a warp reads 32 * 8 consecutive weights of one input row per step (coalesced,
-// no transpose needed), and the 8 warps' partial sums meet in shared memory.
-// Rows beyond ROWS run as further blocks along y (each re-reads the weights).
-constexpr int kInOutSlices = 8;
-constexpr int kInOutColumns = 32 * 8;
-
-// Eight consecutive weights as floats; VECTOR: one 16-byte (bf16) or two
-// (f32) loads, else element by element up to `available`.
-template <bool VECTOR>
-__device__ __forceinline__ void load_eight(const bf16* weights, int available, float* out) {
-  if constexpr (VECTOR) {
-    const uint4 packed = __ldcs(reinterpret_cast<const uint4*>(weights));  // streamed once per use
-    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 pair = __bfloat1622float2(pairs[j]);
-      out[2 * j] = pair.x, out[2 * j + 1] = pair.y;
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) out[j] = j < available ? __bfloat162float(weights[j]) : 0.0f;
-  }
-}
-
-template <bool VECTOR>
-__device__ __forceinline__ void load_eight(const float* weights, int available, float* out) {
-  if constexpr (VECTOR) {
-    const float4 low = __ldg(reinterpret_cast<const float4*>(weights));
-    const float4 high = __ldg(reinterpret_cast<const float4*>(weights) + 1);
-    out[0] = low.x, out[1] = low.y, out[2] = low.z, out[3] = low.w;
-    out[4] = high.x, out[5] = high.y, out[6] = high.z, out[7] = high.w;
-  } else {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) out[j] = j < available ? __ldg(weights + j) : 0.0f;
-  }
-}
-
-// ARGMAX: also each row's argmax over all out_features columns, by a block
-// reduction and one atomicMax per (block, row) into argmax_keys[row].
+// [in, out] products for few rows (in_out_product.cuh). ARGMAX: also each
+// row's argmax over all out_features columns into argmax_keys[row].
 template <class Weight, int ROWS, bool VECTOR, bool ARGMAX>
 __global__ void __launch_bounds__(kInOutSlices * 32)
     matmul_in_out_kernel(float* out, const float* x, const Weight* weight, const float* bias, int rows, int in,
@@ -713,69 +674,17 @@ __global__ void __launch_bounds__(kInOutSlices * 32)
   wait_for_previous_kernel();
   start_next_kernel();
   if (run_if && *run_if == 0) return;  // the whole block leaves: no barrier is skipped
-  __shared__ __align__(16) float partial[kInOutSlices][kInOutColumns];
-  const int lane = threadIdx.x & 31, slice = threadIdx.x >> 5;
-  const int column = blockIdx.x * kInOutColumns + lane * 8;
   const int first_row = blockIdx.y * ROWS;
-  const int row_count = min(ROWS, rows - first_row);
-  float sums[ROWS][8];
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) sums[r][j] = 0.0f;
-  if (column < out_features) {
-#pragma unroll 4
-    for (int i = slice; i < in; i += kInOutSlices) {
-      float w[8];
-      load_eight<VECTOR>(weight + static_cast<long>(i) * out_features + column, out_features - column, w);
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const float value = r < row_count ? __ldg(x + static_cast<long>(first_row + r) * in + i) : 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) sums[r][j] += value * w[j];
-      }
-    }
-  }
-  // One row at a time: the 8 slices' sums of each column, added by the thread owning that column.
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    if (r >= row_count) break;  // the same for every thread of the block
-    float4* mine = reinterpret_cast<float4*>(&partial[slice][lane * 8]);
-    mine[0] = make_float4(sums[r][0], sums[r][1], sums[r][2], sums[r][3]);
-    mine[1] = make_float4(sums[r][4], sums[r][5], sums[r][6], sums[r][7]);
-    __syncthreads();
-    const int own = blockIdx.x * kInOutColumns + threadIdx.x;
-    unsigned long long key = 0;
-    if (own < out_features) {
-      float total = bias ? bias[own] : 0.0f;
-#pragma unroll
-      for (int s = 0; s < kInOutSlices; ++s) total += partial[s][threadIdx.x];
-      float* destination = out + static_cast<long>(first_row + r) * out_features + own;
-      if (accumulate) total += *destination;
-      *destination = total;
-      key = argmax_key(total, own);
-    }
-    if constexpr (ARGMAX) {
-      __shared__ unsigned long long warp_keys[kInOutSlices];
-#pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1) key = max(key, __shfl_xor_sync(0xffffffffu, key, offset));
-      if (lane == 0) warp_keys[slice] = key;
-      __syncthreads();
-      if (threadIdx.x == 0) {
-#pragma unroll
-        for (int w = 1; w < kInOutSlices; ++w) key = max(key, warp_keys[w]);
-        atomicMax(argmax_keys + first_row + r, key);
-      }
-    }
-    __syncthreads();  // partial (and warp_keys) are rewritten for the next row
-  }
+  in_out_product<Weight, ROWS, VECTOR, ARGMAX>(
+      out + static_cast<long>(first_row) * out_features, DenseRows{x + static_cast<long>(first_row) * in, in}, weight,
+      bias, min(ROWS, rows - first_row), in, out_features, accumulate, ARGMAX ? argmax_keys + first_row : nullptr);
 }
 
 template <class Weight, bool VECTOR, bool ARGMAX>
 void launch_in_out(float* out, const float* x, const Weight* weight, const float* bias, int rows, int in,
                    int out_features, bool accumulate, const int32_t* run_if, unsigned long long* argmax_keys,
                    cudaStream_t stream) {
-  const int row_block = rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8;
+  const int row_block = in_out_rows_per_block(rows);
   const dim3 grid(ceil_div(out_features, kInOutColumns), ceil_div(rows, row_block));
   auto kernel = row_block == 1   ? matmul_in_out_kernel<Weight, 1, VECTOR, ARGMAX>
                 : row_block == 2 ? matmul_in_out_kernel<Weight, 2, VECTOR, ARGMAX>
