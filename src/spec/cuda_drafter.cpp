@@ -844,7 +844,7 @@ void CudaDrafter::run_step(int rows, bool greedy) {
         cuda::matmul_in_out_forward(logits, x, head_out_.data(), nullptr, B, r, V, true, any_alive, s);
       p.mark(greedy ? "head vocab gemm+argmax" : "head vocab gemm", s);
     };
-    if (markov_in_product) {  // B = e @ w2
+    if (markov_in_product) {  // e_k, c_k, pruning and B = e @ w2 in one launch
       cuda::markov_position_forward(logits, greedy ? argmax_keys_.data() : nullptr, head_out_.data(), hidden_.data(),
                                     hidden_logits_.data(), k, B, gamma, r, d, V, weights, control, head, s);
       p.mark(greedy ? "head position gemm+argmax" : "head position gemm", s);
@@ -852,27 +852,26 @@ void CudaDrafter::run_step(int rows, bool greedy) {
       cuda::sequential_head_prepare_forward(e_.data(), recurrent_input_.data(), state_.data(), hidden_.data(), k, B, r,
                                             d, V, kind_, weights, control, head, s);
       p.mark("head prepare", s);
-      switch (kind_) {
-        case cuda::SequentialHeadKind::Markov:  // B = e @ w2
-          vocabulary_head(e_.data());
-          break;
-        case cuda::SequentialHeadKind::Rnn:  // s = tanh(s @ wH + e + bH); B = s @ wO
-          cuda::matmul_in_out_forward(recurrent_pre_.data(), state_.data(), recurrent_.data(), recurrent_bias_.data(),
-                                      B, r, r, false, any_alive, s);
-          cuda::recurrent_update_forward(state_.data(), nullptr, recurrent_pre_.data(), e_.data(), B, r, kind_, s);
-          p.mark("head recurrent", s);
-          vocabulary_head(state_.data());
-          break;
-        case cuda::SequentialHeadKind::Gru:  // [g, c, o] = z @ wJ + bJ; s = σ(g) s + (1 - σ(g)) tanh(c); B = tanh(o) @
-                                             // w2
-          cuda::matmul_in_out_forward(recurrent_pre_.data(), recurrent_input_.data(), recurrent_.data(),
-                                      recurrent_bias_.data(), B, 2 * r + d, 3 * r, false, any_alive, s);
-          cuda::recurrent_update_forward(state_.data(), head_output_.data(), recurrent_pre_.data(), e_.data(), B, r,
-                                         kind_, s);
-          p.mark("head recurrent", s);
-          vocabulary_head(head_output_.data());
-          break;
-      }
+    }
+    switch (kind_) {
+      case cuda::SequentialHeadKind::Markov:  // B = e @ w2
+        if (!markov_in_product) vocabulary_head(e_.data());
+        break;
+      case cuda::SequentialHeadKind::Rnn:  // s = tanh(s @ wH + e + bH); B = s @ wO
+        cuda::matmul_in_out_forward(recurrent_pre_.data(), state_.data(), recurrent_.data(), recurrent_bias_.data(), B,
+                                    r, r, false, any_alive, s);
+        cuda::recurrent_update_forward(state_.data(), nullptr, recurrent_pre_.data(), e_.data(), B, r, kind_, s);
+        p.mark("head recurrent", s);
+        vocabulary_head(state_.data());
+        break;
+      case cuda::SequentialHeadKind::Gru:  // [g, c, o] = z @ wJ + bJ; s = σ(g) s + (1 - σ(g)) tanh(c); B = tanh(o) @ w2
+        cuda::matmul_in_out_forward(recurrent_pre_.data(), recurrent_input_.data(), recurrent_.data(),
+                                    recurrent_bias_.data(), B, 2 * r + d, 3 * r, false, any_alive, s);
+        cuda::recurrent_update_forward(state_.data(), head_output_.data(), recurrent_pre_.data(), e_.data(), B, r,
+                                       kind_, s);
+        p.mark("head recurrent", s);
+        vocabulary_head(head_output_.data());
+        break;
     }
     if (!greedy) {
       cuda::select_tokens_forward(tokens + long(k) * B, logits, uniforms + long(k) * B, params, B, V, s);
