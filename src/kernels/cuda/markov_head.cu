@@ -158,10 +158,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   wait_for_previous_kernel();
   // The confidence logit's hidden part, w_h . h_k, for every position and row.
   for (int i = warp; i < gamma * rows; i += kWarps) {
-    const float* h = hidden + static_cast<long>(i) * width;
-    float dot = 0.0f;
-    for (int f = lane; f < width; f += 32) dot += h[f] * weights.confidence_weight[f];
-    dot = warp_sum(dot);
+    const float dot = hidden_confidence_logit(hidden + static_cast<long>(i) * width, weights.confidence_weight, width);
     if (lane == 0) hidden_part[i] = dot;
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
@@ -319,13 +316,10 @@ __global__ void __launch_bounds__(kInOutSlices * 32, kPositionBlocks<ROWS>)
   const int first_row = blockIdx.y * ROWS, row_count = min(ROWS, rows - first_row);
   const bool writer = blockIdx.x == 0;
   if (k == 0 && writer) {  // h . conf.w[:d] of the block's rows at every position
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int i = warp; i < gamma * row_count; i += kInOutSlices) {
+    for (int i = threadIdx.x >> 5; i < gamma * row_count; i += kInOutSlices) {
       const long slot = static_cast<long>(i / row_count) * rows + first_row + i % row_count;
-      float dot = 0.0f;
-      for (int f = lane; f < width; f += 32) dot += hidden[slot * width + f] * weights.confidence_weight[f];
-      dot = warp_sum(dot);
-      if (lane == 0) hidden_logits[slot] = dot;
+      const float dot = hidden_confidence_logit(hidden + slot * width, weights.confidence_weight, width);
+      if ((threadIdx.x & 31) == 0) hidden_logits[slot] = dot;
     }
     __syncthreads();
   }

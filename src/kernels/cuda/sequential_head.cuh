@@ -2,9 +2,19 @@
 // (draft.cu's per-position prepare, markov_head.cu's kernels): the
 // confidence and the pruning rule, written once.
 #pragma once
+#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/draft.h"
 
 namespace dspark::cuda {
+
+// One warp's h . conf.w[:d] (width values): the confidence logit's hidden
+// part, the warp's sum in every lane.
+__device__ __forceinline__ float hidden_confidence_logit(const float* h, const float* confidence_weight, int width) {
+  const int lane = threadIdx.x & 31;
+  float dot = 0.0f;
+  for (int f = lane; f < width; f += 32) dot += h[f] * confidence_weight[f];
+  return warp_sum(dot);
+}
 
 // c_k = σ(logit), the logit already divided by the position's STS temperature.
 __device__ __forceinline__ float confidence_of(float logit) { return 1.0f / (1.0f + expf(-logit)); }
