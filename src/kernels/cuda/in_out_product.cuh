@@ -111,6 +111,15 @@ __device__ __forceinline__ void in_out_product(float* out, const Rows& x, const 
   for (int r = 0; r < ROWS; ++r)
 #pragma unroll
     for (int j = 0; j < 8; ++j) sums[r][j] = 0.0f;
+  // Input feature i's eight weights times each row's x(r, i), into the sums.
+  auto multiply = [&](int i, const float(&w)[8]) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const float value = r < row_count ? x(r, i) : 0.0f;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) sums[r][c] += value * w[c];
+    }
+  };
   if (column < out_features) {
 #pragma unroll
     for (int j = 0; j < P; ++j) {
@@ -118,23 +127,13 @@ __device__ __forceinline__ void in_out_product(float* out, const Rows& x, const 
       if (i >= in) break;
       float w[8];
       unpack_eight(first.packed[j], w);
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const float value = r < row_count ? x(r, i) : 0.0f;
-#pragma unroll
-        for (int c = 0; c < 8; ++c) sums[r][c] += value * w[c];
-      }
+      multiply(i, w);
     }
 #pragma unroll 4
     for (int i = slice + P * kInOutSlices; i < in; i += kInOutSlices) {
       float w[8];
       load_eight<VECTOR>(weight + static_cast<long>(i) * out_features + column, out_features - column, w);
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const float value = r < row_count ? x(r, i) : 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) sums[r][j] += value * w[j];
-      }
+      multiply(i, w);
     }
   }
   // One row at a time: the 8 slices' sums of each column, added by the thread owning that column.
