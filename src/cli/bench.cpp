@@ -508,6 +508,11 @@ struct BenchDraftFlags {
   std::string draft;     // a drafter directory; empty: a fresh one from `config`
   DrafterConfig config;  // (its tap layers: the target's default)
   uint32_t seed = 0;
+  // A fresh drafter's markov.w2 (zero at init) drawn N(0, std): a head with
+  // work to do. At zero the tokens-only head's bounds are exact, so it forms
+  // one exact logit per block, fewer than a trained head's.
+  float markov_w2_std = 0.0f;
+  bool full_head = false;  // greedy steps form every logit (CudaDrafter::use_quantized_head(false))
   int batch = 1;
   int context = 512;
   int runs = 50;
@@ -544,6 +549,16 @@ void run_bench_draft(const BenchDraftFlags& flags) {
     validate_drafter_config(config, c.num_layers);
     drafter = init_drafter(config, {c.hidden_size, c.vocab_size, c.rms_norm_eps}, target_id_of(flags.model),
                            flags.seed);
+    if (flags.markov_w2_std > 0.0f && config.seq_head != "rnn") {
+      const Tensor& w2 = drafter.parameter("markov.w2");
+      Rng rng(flags.seed + 1);
+      for (long i = 0; i < w2.numel(); i += 2) {  // Box-Muller, in pairs
+        const double radius = flags.markov_w2_std * std::sqrt(-2.0 * std::log(std::max(rng.uniform(), 1e-12)));
+        const double angle = 6.283185307179586 * rng.uniform();
+        w2.data[i] = float(radius * std::cos(angle));
+        if (i + 1 < w2.numel()) w2.data[i + 1] = float(radius * std::sin(angle));
+      }
+    }
   } else {
     drafter = load_drafter(flags.draft);
     check_drafter_matches_target(drafter, c, target_id_of(flags.model));
@@ -553,6 +568,7 @@ void run_bench_draft(const BenchDraftFlags& flags) {
   DSPARK_CHECK(flags.context + gamma + 2 <= c.max_positions, "--context ", flags.context, " leaves no room for a ",
                "step in the target's context of ", c.max_positions);
   CudaDrafter gpu(drafter, head);
+  gpu.use_quantized_head(!flags.full_head);
   drafter = Drafter{};  // uploaded: the host copy is no longer needed
 
   // B requests, each with `context` rows of tapped features (random: the
@@ -640,6 +656,8 @@ void run_bench_draft(const BenchDraftFlags& flags) {
               {"target", flags.model},
               {"draft", flags.draft.empty() ? "fresh init" : flags.draft},
               {"seq_head", config.seq_head},
+              {"markov_w2_std", flags.markov_w2_std},
+              {"full_head", flags.full_head},
               {"gamma", gamma},
               {"d_draft", config.d_draft},
               {"layers", config.num_layers},
@@ -746,6 +764,14 @@ void add_bench_command(CLI::App& app) {
   draft->add_option("--seq-head", draft_flags->config.seq_head, "fresh drafter: sequential head")
       ->capture_default_str()->check(CLI::IsMember({"markov", "rnn", "gru"}));
   draft->add_option("--seed", draft_flags->seed, "fresh drafter: initialisation seed")->capture_default_str();
+  draft
+      ->add_option("--markov-w2-std", draft_flags->markov_w2_std,
+                   "fresh drafter: markov.w2 drawn N(0, std) instead of zero (a head with work to do)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  draft->add_flag("--full-head", draft_flags->full_head,
+                  "greedy steps form every logit of the Markov head (not w2 at 8 bits and the exact logit only "
+                  "where the argmax can be)");
   draft->add_option("--batch", draft_flags->batch, "requests drafted (and decoded) together")->capture_default_str()
       ->check(CLI::Range(1, 256));
   draft->add_option("--context", draft_flags->context, "context rows per request")->capture_default_str()

@@ -16,6 +16,7 @@
 #include "kernels/cuda/matmul.h"
 #include "kernels/cuda/rmsnorm.h"
 #include "kernels/cuda/sampling.h"
+#include "spec/quantized_columns.h"
 
 namespace dspark {
 namespace {
@@ -51,6 +52,16 @@ DeviceBuffer<bf16> upload_bf16(const float* values, size_t count) {
   convert_to_bf16(values, bits.data(), count);
   DeviceBuffer<bf16> buffer(count);
   if (count) CUDA_CHECK(cudaMemcpy(buffer.data(), bits.data(), count * 2, cudaMemcpyHostToDevice));
+  return buffer;
+}
+
+// A host vector's bytes as a device buffer of Device (an element of the same size).
+template <class Device, class Host>
+DeviceBuffer<Device> upload_as(const std::vector<Host>& values) {
+  static_assert(sizeof(Device) == sizeof(Host));
+  DeviceBuffer<Device> buffer(values.size());
+  if (!values.empty())
+    CUDA_CHECK(cudaMemcpy(buffer.data(), values.data(), values.size() * sizeof(Host), cudaMemcpyHostToDevice));
   return buffer;
 }
 
@@ -172,6 +183,14 @@ CudaDrafter::CudaDrafter(const Drafter& drafter, const CudaTargetHead& head)
     recurrent_bias_ = upload_f32(drafter["rnn.bH"], r);
   } else {
     head_out_ = upload_bf16(drafter["markov.w2"], size_t(r) * V);
+    if (kind_ == cuda::SequentialHeadKind::Markov && r % 8 == 0) {
+      const QuantizedColumns quantized = quantize_columns(drafter["markov.w2"], r, V);
+      quantized_stride_ = quantized.stride;
+      quantized_values_ = upload_as<uint8_t>(quantized.values);
+      quantized_scales_ = upload_as<float>(quantized.scales);
+      quantized_bounds_ = upload_as<float>(quantized.bounds);
+      quantized_exact_ = upload_as<bf16>(quantized.exact);
+    }
     if (kind_ == cuda::SequentialHeadKind::Gru) {
       recurrent_ = upload_f32(drafter["gru.wJ"], size_t(2 * r + d) * 3 * r);
       recurrent_bias_ = upload_f32(drafter["gru.bJ"], size_t(3) * r);
@@ -231,6 +250,13 @@ void CudaDrafter::use_one_launch_head(bool on) {
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   destroy_graphs(graphs_);  // captured the other way
   one_launch_head_ = on;
+}
+
+void CudaDrafter::use_quantized_head(bool on) {
+  if (on == quantized_head_) return;
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  destroy_graphs(graphs_);  // captured the other way
+  quantized_head_ = on;
 }
 
 float CudaDrafter::last_step_milliseconds() const {
@@ -663,11 +689,14 @@ void CudaDrafter::draft_chunk(std::span<const CudaDraftRequest> requests, const 
   if (step_start_) CUDA_CHECK(cudaEventRecord(step_start_, s));
   CUDA_CHECK(cudaMemcpyAsync(metadata_.data(), bytes, layout_.bytes, cudaMemcpyHostToDevice, s));
 
-  auto graph = graphs_.find({rows, !sampling});
+  const StepKind kind = sampling                 ? StepKind::Sampled
+                        : options.collect_logits ? StepKind::GreedyLogits
+                                                 : StepKind::GreedyTokens;
+  auto graph = graphs_.find({rows, kind});
   if (graph != graphs_.end())
     CUDA_CHECK(cudaGraphLaunch(graph->second, s));
   else
-    run_step(rows, !sampling);
+    run_step(rows, kind);
   const long result_words = (2L * gamma + 1) * rows;
   CUDA_CHECK(cudaMemcpyAsync(results_host_.data(), results_.data(), result_words * sizeof(int32_t),
                              cudaMemcpyDeviceToHost, s));
@@ -718,7 +747,7 @@ void CudaDrafter::draft_chunk(std::span<const CudaDraftRequest> requests, const 
 
   // A bucket's first step ran eagerly (choosing GEMM algorithms); capture it for the next ones.
   if (use_graphs_ && graph == graphs_.end())
-    graphs_.emplace(std::pair{rows, !sampling}, capture([&] { run_step(rows, !sampling); }));
+    graphs_.emplace(std::pair{rows, kind}, capture([&] { run_step(rows, kind); }));
 }
 
 cudaGraphExec_t CudaDrafter::capture(const std::function<void()>& work) {
@@ -742,7 +771,8 @@ cudaGraphExec_t CudaDrafter::capture(const std::function<void()>& work) {
 }
 
 // The kernels of one step for a bucket of `rows` rows, in order; the same eager or captured.
-void CudaDrafter::run_step(int rows, bool greedy) {
+void CudaDrafter::run_step(int rows, StepKind step) {
+  const bool greedy = step != StepKind::Sampled;
   const DrafterConfig& c = config_;
   const int B = rows, gamma = c.gamma, R = gamma * B, d = c.d_draft, r = c.markov_rank;
   const int H = dims_.hidden_size, V = dims_.vocab_size;
@@ -832,6 +862,12 @@ void CudaDrafter::run_step(int rows, bool greedy) {
   // (markov_position_forward: no prepare kernel between positions); with more rows each block has more
   // verdicts to reach before its weights stream, and the prepare kernel pays (docs/PERF.md, stop 33).
   const bool markov_in_product = kind_ == cuda::SequentialHeadKind::Markov && B <= 2;
+  // Greedy without logits: each block of a position's product bounds its columns' logits from w2 at 8 bits and
+  // forms the exact logit only where the argmax can be (the same tokens; at Qwen3-8B's vocabulary half the bytes).
+  const bool tokens_only = step == StepKind::GreedyTokens && quantized_head_ && quantized_stride_ > 0 && B == 1;
+  const cuda::QuantizedColumnsView quantized{quantized_values_.data(), quantized_stride_,
+                                             quantized_scales_.data(), quantized_bounds_.data(),
+                                             quantized_exact_.data(),  float(kQuantizedSlack)};
   for (int k = 0; k < gamma; ++k) {
     float* logits = logits_.data() + long(k) * B * V;
     const int32_t* any_alive = alive_rows_.data() + k;
@@ -844,7 +880,11 @@ void CudaDrafter::run_step(int rows, bool greedy) {
         cuda::matmul_in_out_forward(logits, x, head_out_.data(), nullptr, B, r, V, true, any_alive, s);
       p.mark(greedy ? "head vocab gemm+argmax" : "head vocab gemm", s);
     };
-    if (markov_in_product) {  // e_k, c_k, pruning and B = e @ w2 in one launch
+    if (tokens_only) {  // the same tokens without the logits: w2 read at 8 bits
+      cuda::markov_position_tokens_forward(argmax_keys_.data(), logits, quantized, hidden_.data(),
+                                           hidden_logits_.data(), k, B, gamma, r, d, V, weights, control, head, s);
+      p.mark("head position tokens", s);
+    } else if (markov_in_product) {  // e_k, c_k, pruning and B = e @ w2 in one launch
       cuda::markov_position_forward(logits, greedy ? argmax_keys_.data() : nullptr, head_out_.data(), hidden_.data(),
                                     hidden_logits_.data(), k, B, gamma, r, d, V, weights, control, head, s);
       p.mark(greedy ? "head position gemm+argmax" : "head position gemm", s);

@@ -40,11 +40,14 @@
 // for all B*γ block rows; the head walks positions 0..γ-1 on the device
 // (e_k, confidence and pruning, the head's matmuls into the logits, token
 // selection: greedy fused into the vocabulary matmul as an argmax, sampling by
-// select_tokens_forward); one copy brings back tokens, confidences and lengths: the only
+// select_tokens_forward; a greedy Markov step of one row that returns
+// no logits reads w2 at 8 bits and forms the exact logit only of the columns
+// that can hold the argmax, spec/quantized_columns.h); one copy brings back
+// tokens, confidences and lengths: the only
 // synchronisation of the step. A position where every row has been pruned
 // skips its vocabulary-wide matmul. Steps are captured as one CUDA graph per
 // batch bucket (1, 2, 4, ... 64 rows; padding rows have no context and draft
-// nothing) and kind (greedy or sampled), on its first use after it has run
+// nothing) and kind (StepKind), on its first use after it has run
 // once eagerly. DSPARK_DRAFT_GRAPHS=0 runs every step eagerly;
 // DSPARK_DRAFT_PROFILE=1 does too and prints the mean time of each op.
 //
@@ -136,6 +139,10 @@ class CudaDrafter {
   // (markov_head_forward); off, it takes the per-position kernels there too
   // (tests: both give the same bits).
   void use_one_launch_head(bool on);
+  // Greedy Markov steps of one row that return no logits read w2 at
+  // 8 bits and form the exact logit only where the argmax can be; off, they
+  // form every logit (benchmarks: both give the same tokens).
+  void use_quantized_head(bool on);
 
  private:
   using bf16 = __nv_bfloat16;
@@ -182,7 +189,9 @@ class CudaDrafter {
   int attention_splits(int rows) const;
   void draft_chunk(std::span<const CudaDraftRequest> requests, const DraftOptions& options, int limit,
                    const std::vector<float>& thresholds, std::span<DraftResult> results);
-  void run_step(int rows, bool greedy);
+  // What a step computes: sampled; greedy with every kept position's logits; greedy tokens only.
+  enum class StepKind { Sampled, GreedyLogits, GreedyTokens };
+  void run_step(int rows, StepKind kind);
   void run_extension(int padded);
   // The work `work` queues on the drafter's stream, captured (not run) as a CUDA graph.
   cudaGraphExec_t capture(const std::function<void()>& work);
@@ -198,6 +207,7 @@ class CudaDrafter {
   cudaStream_t stream_ = nullptr;
   bool use_graphs_ = true;
   bool one_launch_head_ = true;
+  bool quantized_head_ = true;
 
   // Weights.
   std::vector<Layer> layers_;
@@ -213,6 +223,12 @@ class CudaDrafter {
   cuda::DeviceBuffer<float> mask_embedding_, block_position_;      // [γ-1, d], [γ, d]
   cuda::DeviceBuffer<bf16> head_embedding_;                        // [V, r] markov.w1
   cuda::DeviceBuffer<bf16> head_out_;                              // [r, V] markov.w2 (Markov, GRU) or rnn.wO
+  // markov.w2 for greedy steps without logits (Markov head, r a multiple of 8; spec/quantized_columns.h),
+  // 3 bytes per weight beside head_out_'s 2 (117 MB at Qwen3-8B's vocabulary and r 256):
+  cuda::DeviceBuffer<uint8_t> quantized_values_;                   // [r, stride] 8-bit columns
+  cuda::DeviceBuffer<float> quantized_scales_, quantized_bounds_;  // [V]
+  cuda::DeviceBuffer<bf16> quantized_exact_;                       // [V, r] slice-major columns
+  int quantized_stride_ = 0;                                       // 0: none
   cuda::DeviceBuffer<float> recurrent_, recurrent_bias_;           // rnn.wH [r, r], bH [r] / gru.wJ [2r+d, 3r], bJ [3r]
   cuda::DeviceBuffer<float> confidence_weight_, confidence_bias_;  // [d + r], [1]
   cuda::DeviceBuffer<float> token_confidence_;                     // [V] w1[v] . conf.w[d:] (Markov head)
@@ -261,8 +277,8 @@ class CudaDrafter {
   cuda::PinnedBuffer<float> logits_host_;
   std::vector<double> uniforms_;  // [γ, B] this step's uniforms, as drawn
   std::vector<int32_t> order_;
-  std::map<std::pair<int, bool>, cudaGraphExec_t> graphs_;  // per (batch bucket, greedy)
-  std::map<int, cudaGraphExec_t> extend_graphs_;            // extension passes, per padded row count
+  std::map<std::pair<int, StepKind>, cudaGraphExec_t> graphs_;  // per (batch bucket, kind)
+  std::map<int, cudaGraphExec_t> extend_graphs_;                // extension passes, per padded row count
   cudaEvent_t step_start_ = nullptr, step_stop_ = nullptr;  // set while step timing is on
   cuda::StepProfiler profiler_{"DSPARK_DRAFT_PROFILE", "draft profile"};  // on: every step eager, per-op times
 };

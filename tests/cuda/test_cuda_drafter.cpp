@@ -39,6 +39,7 @@
 #include "spec/cuda_dspark_source.h"
 #include "spec/draft.h"
 #include "spec/draft_sources.h"
+#include "spec/quantized_columns.h"
 #include "spec/scheduler.h"
 #include "spec/speculative.h"
 
@@ -318,12 +319,16 @@ TEST(CudaDraftOps, MarkovHeadKernelsEqualThePrepareAndProductKernels) {
   // at every (row, position) kept; confidences up to their dot product's order. Qwen3-8B's vocabulary at rank 64
   // (on chip) and 256 (per position only), the demo drafter's shape, small ones, a vocabulary not a multiple of 8
   // (per position only, weights read one by one), row groups of 1, 2, 4 and 8 (10 = 8 + 2, the second all padding),
-  // a padding row, pruning, every row pruned.
+  // a padding row, pruning, every row pruned. markov_position_tokens_forward (greedy, one row): the same
+  // counts, alive rows, confidences and tokens, with w2 large against U (many columns given the exact product),
+  // small (few), and columns repeating every 7 (exact ties everywhere: the lowest index wins).
   enum class Floor { None, Between, Above };  // none; between row 0's confidences; above every confidence
-  enum class Head { Reference, PerPosition, OneLaunch };
+  enum class Head { Reference, PerPosition, OneLaunch, TokensOnly };
   struct Case {
     int B, r, V;
     Floor floor;
+    float w2_scale = 1.0f;
+    bool ties = false;
   };
   const int gamma = 7, d = 40;
   DeviceBuffer<unsigned> barrier(2);  // zeroed once: every launch leaves it ready for the next
@@ -332,7 +337,10 @@ TEST(CudaDraftOps, MarkovHeadKernelsEqualThePrepareAndProductKernels) {
   for (const Case& test :
        {Case{1, 64, 151936, Floor::None}, Case{1, 256, 151936, Floor::Between}, Case{1, 64, 8192, Floor::None},
         Case{2, 128, 50000, Floor::Between}, Case{3, 16, 1000, Floor::None}, Case{6, 64, 8192, Floor::Between},
-        Case{4, 8, 512, Floor::Above}, Case{10, 32, 2048, Floor::Between}, Case{2, 16, 1001, Floor::None}}) {
+        Case{4, 8, 512, Floor::Above}, Case{10, 32, 2048, Floor::Between}, Case{2, 16, 1001, Floor::None},
+        Case{1, 256, 151936, Floor::Between, 0.01f}, Case{1, 64, 20000, Floor::None, 0.05f},
+        Case{1, 64, 3000, Floor::None, 1.0f, true}, Case{1, 8, 1000, Floor::Between, 0.2f, true},
+        Case{1, 16, 1001, Floor::None}}) {
     const int B = test.B, r = test.r, V = test.V;
     const std::string what = "B " + std::to_string(B) + " r " + std::to_string(r) + " V " + std::to_string(V);
     Rng rng(B * 131 + r);
@@ -343,9 +351,15 @@ TEST(CudaDraftOps, MarkovHeadKernelsEqualThePrepareAndProductKernels) {
     std::vector<int32_t> sampled(size_t(gamma) * B);  // the tokens a sampled head would have drawn
     for (int32_t& token : sampled) token = int32_t(rng.next() % V);
     const auto w1 = bf16_rounded(random_values(size_t(V) * r, 200 + B, 1.0f));
-    const auto w2 = bf16_rounded(random_values(size_t(r) * V, 300 + B, 1.0f));
+    auto w2 = bf16_rounded(random_values(size_t(r) * V, 300 + B, test.w2_scale));
     const auto hidden = random_values(size_t(gamma) * B * d, 400 + B);
-    const auto lm_logits = random_values(size_t(gamma) * B * V, 500 + B, 4.0f);
+    auto lm_logits = random_values(size_t(gamma) * B * V, 500 + B, 4.0f);
+    if (test.ties) {  // every column (of w2 and U) repeats the first 7
+      for (int v = 7; v < V; ++v) {
+        for (int i = 0; i < r; ++i) w2[size_t(i) * V + v] = w2[size_t(i) * V + v % 7];
+        for (int row = 0; row < gamma * B; ++row) lm_logits[size_t(row) * V + v] = lm_logits[size_t(row) * V + v % 7];
+      }
+    }
     const auto confidence_weight = random_values(d + r, 600 + B, 0.3f);
     std::vector<float> token_confidence(V, 0.0f);
     for (int v = 0; v < V; ++v)
@@ -365,6 +379,17 @@ TEST(CudaDraftOps, MarkovHeadKernelsEqualThePrepareAndProductKernels) {
     const cuda::SequentialHeadWeights weights{w1_device.data(), weight_device.data(), bias_device.data(),
                                               temperatures_device.data(), token_confidence_device.data()};
     const bool on_chip = cuda::markov_head_supported(B, gamma, r, V, w2_device.data());
+    const bool tokens_only = B == 1 && r % 8 == 0;
+    const QuantizedColumns quantized = tokens_only ? quantize_columns(w2.data(), r, V) : QuantizedColumns{};
+    auto quantized_values = to_device(quantized.values);
+    auto quantized_scales = to_device(quantized.scales), quantized_bounds = to_device(quantized.bounds);
+    auto quantized_exact = to_device(quantized.exact);
+    const cuda::QuantizedColumnsView quantized_view{quantized_values.data(),
+                                                    quantized.stride,
+                                                    quantized_scales.data(),
+                                                    quantized_bounds.data(),
+                                                    reinterpret_cast<const __nv_bfloat16*>(quantized_exact.data()),
+                                                    float(kQuantizedSlack)};
     if (r < 256 && V % 8 == 0) {
       EXPECT_TRUE(on_chip) << what;
     }
@@ -389,6 +414,12 @@ TEST(CudaDraftOps, MarkovHeadKernelsEqualThePrepareAndProductKernels) {
       } else {
         for (int k = 0; k < gamma; ++k) {
           float* position_logits = logits.data() + size_t(k) * B * V;
+          if (kind == Head::TokensOnly) {
+            cuda::markov_position_tokens_forward(keys.data(), position_logits, quantized_view, hidden_device.data(),
+                                                 hidden_logits.data(), k, B, gamma, r, d, V, weights,
+                                                 control_device.data(), head, nullptr);
+            continue;
+          }
           if (kind == Head::PerPosition) {
             cuda::markov_position_forward(position_logits, greedy_keys, w2_device.data(), hidden_device.data(),
                                           hidden_logits.data(), k, B, gamma, r, d, V, weights, control_device.data(),
@@ -405,7 +436,8 @@ TEST(CudaDraftOps, MarkovHeadKernelsEqualThePrepareAndProductKernels) {
             cuda::matmul_in_out_forward(position_logits, e.data(), w2_device.data(), nullptr, B, r, V, true,
                                         alive_rows.data() + k, nullptr);
         }
-        if (greedy) cuda::argmax_tokens_forward(tokens.data(), keys.data(), gamma * B, nullptr);
+        if (greedy || kind == Head::TokensOnly)
+          cuda::argmax_tokens_forward(tokens.data(), keys.data(), gamma * B, nullptr);
       }
       return Outputs{from_device(logits), from_device(confidence), from_device(tokens), from_device(count),
                      from_device(alive_rows)};
@@ -427,10 +459,14 @@ TEST(CudaDraftOps, MarkovHeadKernelsEqualThePrepareAndProductKernels) {
       } else if (test.floor == Floor::Between && greedy) {  // (the sampled tokens give other confidences)
         EXPECT_LT(expected.count[0], gamma) << what << ": the floor prunes nothing (the case tests less than it says)";
       }
-      for (const Head kind : {Head::PerPosition, Head::OneLaunch}) {
+      for (const Head kind : {Head::PerPosition, Head::OneLaunch, Head::TokensOnly}) {
         if (kind == Head::OneLaunch && (!greedy || !on_chip)) continue;
-        const std::string how =
-            what + (kind == Head::OneLaunch ? " one launch" : " per position") + (greedy ? " greedy" : " sampled");
+        if (kind == Head::TokensOnly && (!greedy || !tokens_only)) continue;
+        const std::string how = what +
+                                (kind == Head::OneLaunch    ? " one launch"
+                                 : kind == Head::TokensOnly ? " tokens only"
+                                                            : " per position") +
+                                (greedy ? " greedy" : " sampled");
         const Outputs got = run(kind, greedy), again = run(kind, greedy);
         EXPECT_TRUE(again.logits == got.logits && again.tokens == got.tokens) << how << ": a second launch differs";
         EXPECT_EQ(got.count, expected.count) << how;
@@ -440,6 +476,7 @@ TEST(CudaDraftOps, MarkovHeadKernelsEqualThePrepareAndProductKernels) {
             const size_t slot = size_t(k) * B + b;
             EXPECT_NEAR(got.confidence[slot], expected.confidence[slot], 1e-5) << how << " slot " << slot;
             EXPECT_EQ(got.tokens[slot], expected.tokens[slot]) << how << " slot " << slot;
+            if (kind == Head::TokensOnly) continue;  // it writes no logits
             EXPECT_TRUE(std::equal(got.logits.begin() + slot * V, got.logits.begin() + (slot + 1) * V,
                                    expected.logits.begin() + slot * V))
                 << how << ": logits differ at slot " << slot;
@@ -684,7 +721,9 @@ TEST_P(CudaDrafting, GraphReplaysEqualTheEagerStep) {
 }
 
 // The drafter's greedy Markov head per position (what runs where w2 does not
-// fit on chip: Qwen3-8B's) against its one-launch head, through whole steps.
+// fit on chip: Qwen3-8B's) against its one-launch head, through whole steps;
+// and without logits (at one row: w2 read at 8 bits), the same tokens and
+// confidences.
 TEST_P(CudaDrafting, PerPositionMarkovHeadEqualsTheOneLaunchHead) {
   if (drafter_.config.seq_head != "markov") GTEST_SKIP() << "the one-launch head is the greedy Markov head's";
   // One row (positions found inside their products) and three (a bucket of 4 with a padding row: prepare
@@ -694,15 +733,18 @@ TEST_P(CudaDrafting, PerPositionMarkovHeadEqualsTheOneLaunchHead) {
     for (int length : lengths) requests.push_back({gpu_context(length), tokens_[length], nullptr});
     DraftOptions options;
     options.collect_logits = true;
-    std::vector<DraftResult> one_launch, per_position;
+    std::vector<DraftResult> one_launch, per_position, tokens_only;
     gpu_->use_one_launch_head(true);
     gpu_->draft(requests, options, one_launch);
     gpu_->use_one_launch_head(false);
     for (int run = 0; run < 3; ++run) {  // eager, then graph replays
       gpu_->draft(requests, options, per_position);
+      gpu_->draft(requests, DraftOptions{}, tokens_only);
       for (size_t i = 0; i < requests.size(); ++i) {
         const std::string what =
             std::to_string(lengths.size()) + " rows, row " + std::to_string(i) + " run " + std::to_string(run);
+        EXPECT_EQ(tokens_only[i].tokens, per_position[i].tokens) << what << " (tokens only)";
+        EXPECT_EQ(tokens_only[i].confidence, per_position[i].confidence) << what << " (tokens only)";
         EXPECT_EQ(per_position[i].tokens, one_launch[i].tokens) << what;
         EXPECT_EQ(per_position[i].logits, one_launch[i].logits) << what;
         ASSERT_EQ(per_position[i].confidence.size(), one_launch[i].confidence.size()) << what;

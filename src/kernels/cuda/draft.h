@@ -83,6 +83,31 @@ void markov_position_forward(float* logits, unsigned long long* argmax_keys, con
                              int width, int vocab, const SequentialHeadWeights& weights, const DraftControl* control,
                              const SequentialHeadState& head, cudaStream_t stream);
 
+// markov.w2 as markov_position_tokens_forward reads it (spec/quantized_columns.h
+// makes it): 8-bit columns, a scale and a bound each, and the exact columns.
+struct QuantizedColumnsView {
+  const uint8_t* values;       // [r, stride] q + 128, w2[i, v] ~ scales[v] * q[i, v]
+  int stride;                  // values' row length, a multiple of 16
+  const float* scales;         // [V]
+  const float* bounds;         // [V] |e . w2[:, v] - scales[v] e . q[:, v]| <= bounds[v] ||e||_2
+  const __nv_bfloat16* exact;  // [V, r] w2[:, v], feature s + 8j at s * r/8 + j
+  float slack;                 // relative slack for f32 rounding in the bounds
+};
+
+// Position k of the greedy Markov head for one row, tokens only:
+// markov_position_forward's e_k, c_k, pruning and x_k (the same argmax keys,
+// bit for bit), without writing the logits. Each block bounds its columns'
+// logits from the 8-bit columns, then forms the exact logit (the full
+// product's sums, in its order) only for the columns whose upper bound
+// reaches the block's best lower bound and the best key found so far; those
+// keys go into argmax_keys. logits [1, V]: U_k, read only. Needs rows = 1
+// and r a multiple of 8.
+void markov_position_tokens_forward(unsigned long long* argmax_keys, const float* logits,
+                                    const QuantizedColumnsView& w2, const float* hidden, float* hidden_logits,
+                                    int position, int rows, int gamma, int rank, int width, int vocab,
+                                    const SequentialHeadWeights& weights, const DraftControl* control,
+                                    const SequentialHeadState& head, cudaStream_t stream);
+
 // The greedy Markov head's γ positions for every row in one launch, with the
 // results of sequential_head_prepare_forward, matmul_in_out_argmax_forward
 // (e_k @ w2 added into logits [γ*B, V], which hold the LM head's logits) and

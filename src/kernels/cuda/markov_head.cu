@@ -304,26 +304,26 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <int ROWS>
 constexpr int kPositionBlocks = ROWS <= 2 ? 5 : 1;  // blocks a multiprocessor at least
 
-template <int ROWS, bool VECTOR, bool ARGMAX>
-__global__ void __launch_bounds__(kInOutSlices * 32, kPositionBlocks<ROWS>)
-    markov_position_kernel(float* logits, unsigned long long* argmax_keys, const bf16* w2, const float* hidden,
-                           float* hidden_logits, int k, int rows, int gamma, int rank, int width, int vocab,
-                           SequentialHeadWeights weights, const DraftControl* control, SequentialHeadState head) {
-  FirstWeights<VECTOR && ROWS == 1 ? 2 : 0> first;
-  in_out_first_weights(first, w2, rank, vocab);  // nothing before this kernel writes w2
-  wait_for_previous_kernel();
-  start_next_kernel();
-  const int first_row = blockIdx.y * ROWS, row_count = min(ROWS, rows - first_row);
+// What every block of position k's kernels (markov_position_kernel,
+// markov_position_tokens_kernel) does first, after its wait: the writer
+// blocks (x = 0) write h . conf.w[:d] at position 0 and the rows'
+// confidences and verdicts; every block points e at its rows' e_k =
+// w1[x_{k-1}]. Returns how many of the block's rows are still drafting.
+template <int ROWS>
+__device__ __forceinline__ int markov_position_start(GatheredRows<ROWS>& e, const unsigned long long* argmax_keys,
+                                                     const float* hidden, float* hidden_logits, int k, int first_row,
+                                                     int row_count, int rows, int gamma, int rank, int width, int vocab,
+                                                     const SequentialHeadWeights& weights, const DraftControl* control,
+                                                     const SequentialHeadState& head) {
   const bool writer = blockIdx.x == 0;
   if (k == 0 && writer) {  // h . conf.w[:d] of the block's rows at every position
-    for (int i = threadIdx.x >> 5; i < gamma * row_count; i += kInOutSlices) {
+    for (int i = threadIdx.x >> 5; i < gamma * row_count; i += kInOutSlices) {  // 8 warps
       const long slot = static_cast<long>(i / row_count) * rows + first_row + i % row_count;
       const float dot = hidden_confidence_logit(hidden + slot * width, weights.confidence_weight, width);
       if ((threadIdx.x & 31) == 0) hidden_logits[slot] = dot;
     }
     __syncthreads();
   }
-  GatheredRows<ROWS> e;
   int kept_rows = 0;
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
@@ -353,10 +353,190 @@ __global__ void __launch_bounds__(kInOutSlices * 32, kPositionBlocks<ROWS>)
     }
   }
   if (writer && threadIdx.x == 0 && kept_rows > 0) atomicAdd(head.alive_rows + k, kept_rows);
+  return kept_rows;
+}
+
+template <int ROWS, bool VECTOR, bool ARGMAX>
+__global__ void __launch_bounds__(kInOutSlices * 32, kPositionBlocks<ROWS>)
+    markov_position_kernel(float* logits, unsigned long long* argmax_keys, const bf16* w2, const float* hidden,
+                           float* hidden_logits, int k, int rows, int gamma, int rank, int width, int vocab,
+                           SequentialHeadWeights weights, const DraftControl* control, SequentialHeadState head) {
+  FirstWeights<VECTOR && ROWS == 1 ? 2 : 0> first;
+  in_out_first_weights(first, w2, rank, vocab);  // nothing before this kernel writes w2
+  wait_for_previous_kernel();
+  start_next_kernel();
+  const int first_row = blockIdx.y * ROWS, row_count = min(ROWS, rows - first_row);
+  GatheredRows<ROWS> e;
+  const int kept_rows = markov_position_start(e, argmax_keys, hidden, hidden_logits, k, first_row, row_count, rows,
+                                              gamma, rank, width, vocab, weights, control, head);
   if (kept_rows == 0) return;  // the same in every thread: no barrier is skipped
   in_out_product<bf16, ROWS, VECTOR, ARGMAX>(
       logits + static_cast<long>(first_row) * vocab, e, w2, nullptr, row_count, rank, vocab, true,
       ARGMAX ? argmax_keys + static_cast<long>(k) * rows + first_row : nullptr, first);
+}
+
+// The tokens-only head (markov_position_tokens_forward). A block owns 512
+// columns: lane l of warp w holds columns l*16 .. l*16+15 (a 16-byte piece
+// of 8-bit weights per input feature) and the features i = w, w + 8, ...
+// A pass is bound by the bytes in flight (a load waits microseconds under
+// load), so each thread's pieces go through a ring of kTokenStaged slots in
+// shared memory by cp.async, the first ones before the launch wait, each
+// slot refilled as it is used: three blocks a multiprocessor keep ~190 KB in
+// flight. (Streaming through registers, four pieces in flight, read the
+// half-size weights no faster than the bf16 product reads w2.)
+//
+// The block's columns' logits are then bounded (U + scale * (e . q), give or
+// take bound * ||e||); a column can hold the argmax only if its upper end
+// reaches the block's best lower end and the best key any block has found so
+// far. Those columns' exact logits are formed by eight lanes each, lane s
+// summing the features s, s + 8, ... in order from the slice-major exact
+// copy, as in_out_product's slice s does, then the slices in order, then U:
+// the same bits as the full product's logit, so the same key.
+constexpr int kTokenThreads = kInOutSlices * 32;
+constexpr int kTokenColumns = 32 * 16;
+constexpr int kTokenStaged = 16;  // a thread's slots (pieces in flight)
+constexpr int kMaxTokenRank = 1024;
+
+// Dynamic shared memory: the slots [kTokenStaged][kTokenThreads] uint4,
+// later the slices' sums [kInOutSlices][kTokenColumns] f32; then e_k [r] f32.
+constexpr size_t kTokenSlotBytes =
+    std::max(sizeof(uint4) * kTokenStaged * kTokenThreads, sizeof(float) * kInOutSlices * kTokenColumns);
+
+// x times sixteen 8-bit weights (q + 128 in one 16-byte piece) into sums:
+// the byte b as a float's low bits under the exponent of 2^23 is 2^23 + b,
+// so q = that - (2^23 + 128), exactly.
+__device__ __forceinline__ void multiply_sixteen(float (&sums)[16], uint4 packed, float x) {
+  const unsigned words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+  for (int w = 0; w < 4; ++w)
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const float q = __uint_as_float(__byte_perm(words[w], 0x4B000000u, 0x7440u | b)) - 8388736.0f;
+      sums[w * 4 + b] += x * q;
+    }
+}
+
+__global__ void __launch_bounds__(kTokenThreads, 3)
+    markov_position_tokens_kernel(unsigned long long* argmax_keys, const float* logits, QuantizedColumnsView w2,
+                                  const float* hidden, float* hidden_logits, int k, int rows, int gamma, int rank,
+                                  int width, int vocab, SequentialHeadWeights weights, const DraftControl* control,
+                                  SequentialHeadState head) {
+  extern __shared__ __align__(16) unsigned char token_shared[];
+  uint4* slots = reinterpret_cast<uint4*>(token_shared) + threadIdx.x;  // slot j at slots[j * kTokenThreads]
+  const int lane = threadIdx.x & 31, slice = threadIdx.x >> 5;
+  const int column = blockIdx.x * kTokenColumns + lane * 16;  // a multiple of 16: all 16 are within the stride
+  const bool active = column < vocab;
+  const int steps = rank / kInOutSlices;  // features (pieces) per slice
+  // Piece j into its slot, as one cp.async group (empty past the last piece: the ring's count stays even).
+  auto stage = [&](int j) {
+    if (active && j < steps)
+      copy_to_shared_async(slots + (j % kTokenStaged) * kTokenThreads,
+                           w2.values + static_cast<long>(slice + kInOutSlices * j) * w2.stride + column);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  };
+  for (int j = 0; j < kTokenStaged; ++j) stage(j);  // before the wait: nothing before this kernel writes w2
+  // The block's columns' scales and bounds (two a thread), also never written.
+  float scale[2], bound[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int v = min(blockIdx.x * kTokenColumns + threadIdx.x + h * kTokenThreads, vocab - 1);
+    scale[h] = __ldg(w2.scales + v), bound[h] = __ldg(w2.bounds + v);
+  }
+  wait_for_previous_kernel();
+  start_next_kernel();
+  GatheredRows<1> row;
+  if (markov_position_start(row, argmax_keys, hidden, hidden_logits, k, 0, 1, rows, gamma, rank, width, vocab, weights,
+                            control, head) == 0) {
+    asm volatile("cp.async.wait_all;" ::: "memory");  // no copy outlives the block
+    return;                                           // the same in every thread: no barrier is skipped
+  }
+  float base[2];  // U of the two columns
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    base[h] = __ldcg(logits + min(blockIdx.x * kTokenColumns + threadIdx.x + h * kTokenThreads, vocab - 1));
+  // e_k into shared memory in one round trip (read in the loop, one feature an iteration, it waited on
+  // each of its cache lines in turn).
+  float* e = reinterpret_cast<float*>(token_shared + kTokenSlotBytes);
+  for (int f = threadIdx.x * 8; f < rank; f += kTokenThreads * 8)
+    unpack_eight(__ldg(reinterpret_cast<const uint4*>(row.rows[0] + f)), e + f);
+  __syncthreads();
+
+  float sums[16];
+#pragma unroll
+  for (int c = 0; c < 16; ++c) sums[c] = 0.0f;
+  for (int j = 0; j < steps; ++j) {
+    asm volatile("cp.async.wait_group %0;" ::"n"(kTokenStaged - 1) : "memory");  // piece j has landed
+    if (active) multiply_sixteen(sums, slots[(j % kTokenStaged) * kTokenThreads], e[slice + kInOutSlices * j]);
+    stage(j + kTokenStaged);  // its slot, refilled (a thread reads and writes only its own slots)
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+
+  float* partial = reinterpret_cast<float*>(token_shared);  // [kInOutSlices][kTokenColumns], over the slots
+  __shared__ float warp_lower[kInOutSlices];
+  __shared__ int candidates[kTokenColumns];
+  __shared__ int candidate_count;
+  __shared__ unsigned long long block_key;
+  const float slack = w2.slack;
+  const long slot = static_cast<long>(k) * rows;
+  float norm = 0.0f;  // ||e||_2, each warp its own (the same) sum
+  for (int f = lane; f < rank; f += 32) norm += e[f] * e[f];
+  norm = sqrtf(warp_sum(norm)) * (1.0f + slack);
+  const unsigned long long found = __ldcg(argmax_keys + slot);  // the best exact key of the blocks done so far
+  __syncthreads();                                              // every thread is done with its slots
+  float4* mine = reinterpret_cast<float4*>(partial + slice * kTokenColumns + lane * 16);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) mine[c] = make_float4(sums[4 * c], sums[4 * c + 1], sums[4 * c + 2], sums[4 * c + 3]);
+  if (threadIdx.x == 0) candidate_count = 0, block_key = 0;
+  __syncthreads();
+
+  // Each thread bounds two columns' logits.
+  float upper[2];
+  float best_lower = -INFINITY;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int local = threadIdx.x + h * kTokenThreads, v = blockIdx.x * kTokenColumns + local;
+    upper[h] = -INFINITY;
+    if (v >= vocab) continue;
+    float approximate = 0.0f;
+#pragma unroll
+    for (int s = 0; s < kInOutSlices; ++s) approximate += partial[s * kTokenColumns + local];
+    const float value = base[h] + scale[h] * approximate;
+    const float reach = bound[h] * norm + slack * fabsf(base[h]) + 1e-30f;
+    upper[h] = value + reach;  // NaN where anything is: then always given the exact sum
+    best_lower = fmaxf(best_lower, value - reach);
+  }
+  best_lower = warp_max(best_lower);
+  if (lane == 0) warp_lower[slice] = best_lower;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kInOutSlices; ++w) best_lower = fmaxf(best_lower, warp_lower[w]);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int local = threadIdx.x + h * kTokenThreads, v = blockIdx.x * kTokenColumns + local;
+    if (v < vocab && !(upper[h] < best_lower) && argmax_key(upper[h], v) >= found)
+      candidates[atomicAdd(&candidate_count, 1)] = local;
+  }
+  __syncthreads();
+
+  // The candidates' exact logits, eight lanes each.
+  const int group = threadIdx.x >> 3, part = threadIdx.x & 7;
+  const unsigned group_mask = 0xffu << (lane & 24);
+  unsigned long long best = 0;
+  for (int c = group; c < candidate_count; c += kTokenThreads / 8) {
+    const int v = blockIdx.x * kTokenColumns + candidates[c];
+    const bf16* weights_of_part = w2.exact + static_cast<long>(v) * rank + part * steps;
+    float sum = 0.0f;
+    for (int j = 0; j < steps; ++j)
+      sum = fmaf(e[part + kInOutSlices * j], __bfloat162float(__ldg(weights_of_part + j)), sum);
+    float total = 0.0f;
+#pragma unroll
+    for (int s = 0; s < kInOutSlices; ++s) total += __shfl_sync(group_mask, sum, s, 8);
+    total += logits[v];
+    best = max(best, argmax_key(total, v));
+  }
+  if (best) atomicMax(&block_key, best);
+  __syncthreads();
+  if (threadIdx.x == 0 && block_key) atomicMax(argmax_keys + slot, block_key);
 }
 
 template <int ROWS>
@@ -465,6 +645,30 @@ void markov_position_forward(float* logits, unsigned long long* argmax_keys, con
                              : launch_markov_position<8>;
   launch(logits, argmax_keys, w2, hidden, hidden_logits, position, rows, gamma, rank, width, vocab, weights, control,
          head, stream);
+}
+
+void markov_position_tokens_forward(unsigned long long* argmax_keys, const float* logits,
+                                    const QuantizedColumnsView& w2, const float* hidden, float* hidden_logits,
+                                    int position, int rows, int gamma, int rank, int width, int vocab,
+                                    const SequentialHeadWeights& weights, const DraftControl* control,
+                                    const SequentialHeadState& head, cudaStream_t stream) {
+  DSPARK_CHECK(gamma >= 1 && gamma <= kMaxDraftGamma && position >= 0 && position < gamma, "Markov head: position ",
+               position, " of gamma ", gamma, " is outside 0..", kMaxDraftGamma - 1);
+  DSPARK_CHECK(weights.token_confidence, "Markov head: the per-position kernel needs the tokens' confidence table");
+  DSPARK_CHECK(rows == 1 && rank % kInOutSlices == 0 && rank <= kMaxTokenRank && w2.stride % 16 == 0 &&
+                   w2.stride >= vocab && reinterpret_cast<uintptr_t>(w2.values) % 16 == 0,
+               "Markov head (tokens only): rows ", rows, " (one), rank ", rank, " (a multiple of 8, at most ",
+               kMaxTokenRank, "), stride ", w2.stride, " (a multiple of 16 covering vocab ", vocab, ")");
+  static const bool opted_in = [] {
+    CUDA_CHECK(cudaFuncSetAttribute(markov_position_tokens_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(kTokenSlotBytes + sizeof(float) * kMaxTokenRank)));
+    return true;
+  }();
+  (void)opted_in;
+  launch_dependent(markov_position_tokens_kernel, ceil_div(vocab, kTokenColumns), kTokenThreads,
+                   kTokenSlotBytes + sizeof(float) * rank, stream, argmax_keys, logits, w2, hidden, hidden_logits,
+                   position, rows, gamma, rank, width, vocab, weights, control, head);
+  CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace dspark::cuda
