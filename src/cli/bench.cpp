@@ -551,13 +551,7 @@ void run_bench_draft(const BenchDraftFlags& flags) {
                            flags.seed);
     if (flags.markov_w2_std > 0.0f && config.seq_head != "rnn") {
       const Tensor& w2 = drafter.parameter("markov.w2");
-      Rng rng(flags.seed + 1);
-      for (long i = 0; i < w2.numel(); i += 2) {  // Box-Muller, in pairs
-        const double radius = flags.markov_w2_std * std::sqrt(-2.0 * std::log(std::max(rng.uniform(), 1e-12)));
-        const double angle = 6.283185307179586 * rng.uniform();
-        w2.data[i] = float(radius * std::cos(angle));
-        if (i + 1 < w2.numel()) w2.data[i + 1] = float(radius * std::sin(angle));
-      }
+      draw_normal(w2.data, w2.numel(), flags.markov_w2_std, flags.seed + 1);
     }
   } else {
     drafter = load_drafter(flags.draft);

@@ -187,8 +187,8 @@ CudaDrafter::CudaDrafter(const Drafter& drafter, const CudaTargetHead& head)
       const QuantizedColumns quantized = quantize_columns(drafter["markov.w2"], r, V);
       quantized_stride_ = quantized.stride;
       quantized_values_ = upload_as<uint8_t>(quantized.values);
-      quantized_scales_ = upload_as<float>(quantized.scales);
-      quantized_bounds_ = upload_as<float>(quantized.bounds);
+      quantized_scales_ = upload_f32(quantized.scales.data(), V);
+      quantized_bounds_ = upload_f32(quantized.bounds.data(), V);
       quantized_exact_ = upload_as<bf16>(quantized.exact);
     }
     if (kind_ == cuda::SequentialHeadKind::Gru) {

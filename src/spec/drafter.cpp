@@ -180,6 +180,11 @@ Shape drafter_parameter_shape(const DrafterConfig& config, const TargetDims& dim
   fail("drafter has no parameter \"", name, "\"");
 }
 
+void draw_normal(float* out, long count, double std_dev, uint32_t seed) {
+  XorShift32 rng(seed);
+  fill_normal(rng, out, count, std_dev);
+}
+
 Drafter init_drafter(const DrafterConfig& config, const TargetDims& dims, const std::string& target_id, uint32_t seed) {
   validate_drafter_config(config, config.tap_layers.empty() ? 0 : config.tap_layers.back());
   Drafter drafter;

@@ -85,6 +85,10 @@ Shape drafter_parameter_shape(const DrafterConfig& config, const TargetDims& dim
 // N(0, 0.02) tensors draw, in parameter order (so the sequential head's own
 // tensors, appended last, leave every shared tensor identical across heads).
 Drafter init_drafter(const DrafterConfig& config, const TargetDims& dims, const std::string& target_id, uint32_t seed);
+// `count` N(0, std_dev) values from the initialisation's generator (xorshift32
+// + Box-Muller) seeded with `seed`: a tensor the init leaves zero, drawn
+// (benchmarks give a fresh drafter's markov.w2 work to do).
+void draw_normal(float* out, long count, double std_dev, uint32_t seed);
 
 // dspark.json + model.safetensors, both written atomically; parameters as F32 or BF16.
 void save_drafter(const Drafter& drafter, const std::filesystem::path& directory, Dtype dtype = Dtype::F32);

@@ -554,6 +554,13 @@ void launch_markov_position(float* logits, unsigned long long* argmax_keys, cons
   CUDA_CHECK_LAUNCH();
 }
 
+// What both per-position heads need of position k and the weights.
+void check_position(int position, int gamma, const SequentialHeadWeights& weights) {
+  DSPARK_CHECK(gamma >= 1 && gamma <= kMaxDraftGamma && position >= 0 && position < gamma, "Markov head: position ",
+               position, " of gamma ", gamma, " is outside 0..", kMaxDraftGamma - 1);
+  DSPARK_CHECK(weights.token_confidence, "Markov head: the per-position kernel needs the tokens' confidence table");
+}
+
 int rows_per_pass(int rows) { return rows <= 2 ? rows : kMaxRows; }  // the kernel's ROWS for a batch
 
 int register_loads(int rows_per_pass) {
@@ -634,9 +641,7 @@ void markov_position_forward(float* logits, unsigned long long* argmax_keys, con
                              float* hidden_logits, int position, int rows, int gamma, int rank, int width, int vocab,
                              const SequentialHeadWeights& weights, const DraftControl* control,
                              const SequentialHeadState& head, cudaStream_t stream) {
-  DSPARK_CHECK(gamma >= 1 && gamma <= kMaxDraftGamma && position >= 0 && position < gamma, "Markov head: position ",
-               position, " of gamma ", gamma, " is outside 0..", kMaxDraftGamma - 1);
-  DSPARK_CHECK(weights.token_confidence, "Markov head: the per-position kernel needs the tokens' confidence table");
+  check_position(position, gamma, weights);
   if (rows == 0) return;
   const int group = in_out_rows_per_block(rows);
   auto launch = group == 1   ? launch_markov_position<1>
@@ -652,9 +657,7 @@ void markov_position_tokens_forward(unsigned long long* argmax_keys, const float
                                     int position, int rows, int gamma, int rank, int width, int vocab,
                                     const SequentialHeadWeights& weights, const DraftControl* control,
                                     const SequentialHeadState& head, cudaStream_t stream) {
-  DSPARK_CHECK(gamma >= 1 && gamma <= kMaxDraftGamma && position >= 0 && position < gamma, "Markov head: position ",
-               position, " of gamma ", gamma, " is outside 0..", kMaxDraftGamma - 1);
-  DSPARK_CHECK(weights.token_confidence, "Markov head: the per-position kernel needs the tokens' confidence table");
+  check_position(position, gamma, weights);
   DSPARK_CHECK(rows == 1 && rank % kInOutSlices == 0 && rank <= kMaxTokenRank && w2.stride % 16 == 0 &&
                    w2.stride >= vocab && reinterpret_cast<uintptr_t>(w2.values) % 16 == 0,
                "Markov head (tokens only): rows ", rows, " (one), rank ", rank, " (a multiple of 8, at most ",
