@@ -259,6 +259,29 @@ void CudaDrafter::use_quantized_head(bool on) {
   quantized_head_ = on;
 }
 
+void CudaDrafter::use_quantized_lm_head(bool on) {
+  if (on == quantized_lm_head_) return;
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  destroy_graphs(graphs_);
+  quantized_lm_head_ = on;
+  const int H = dims_.hidden_size, V = dims_.vocab_size;
+  if (!on || lm_head_values_.size() > 0 || quantized_stride_ == 0 || H % 32 != 0 || H > cuda::kMaxIntervalHidden ||
+      config_.gamma > cuda::kQuantizedActivationRows)
+    return;  // built already, or the tokens-only head or the kernels do not apply: the full product stays
+  lm_head_values_.resize(size_t(V) * H);
+  lm_head_scales_.resize(V), lm_head_bounds_.resize(V), lm_head_norms_.resize(V);
+  cuda::quantize_rows_forward(lm_head_quantized(), head_.lm_head, V, H, cuda::kQuantizedProductSlack, stream_);
+  activation_values_.resize(size_t(2) * cuda::kQuantizedActivationRows * H);
+  activation_scales_.resize(cuda::kQuantizedActivationRows);
+  activation_norms_.resize(2 * cuda::kQuantizedActivationRows);
+  lower_keys_.resize(config_.gamma);
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+cuda::QuantizedRows CudaDrafter::lm_head_quantized() const {
+  return {lm_head_values_.data(), lm_head_scales_.data(), lm_head_bounds_.data(), lm_head_norms_.data()};
+}
+
 float CudaDrafter::last_step_milliseconds() const {
   DSPARK_CHECK(step_start_, "step timing is off");
   float milliseconds = 0.0f;
@@ -790,10 +813,22 @@ void CudaDrafter::run_step(int rows, StepKind step) {
   int32_t* tokens = results_.data();
   float* confidence = reinterpret_cast<float*>(results_.data() + long(gamma) * B);
   int32_t* count = results_.data() + 2L * gamma * B;
+  // Every position in one launch where w2 fits on chip (the demo drafter: a 0.125 -> 0.115 ms step
+  // at batch 4); at Qwen3-8B's vocabulary the per-position kernels below are faster (docs/PERF.md, stop 31).
+  const bool one_launch = greedy && kind_ == cuda::SequentialHeadKind::Markov && one_launch_head_ &&
+                          cuda::markov_head_supported(B, gamma, r, V, head_out_.data());
+  // Greedy without logits: each block of a position's product bounds its columns' logits from w2 at 8 bits and
+  // forms the exact logit only where the argmax can be (the same tokens; at Qwen3-8B's vocabulary half the bytes).
+  const bool tokens_only =
+      !one_launch && step == StepKind::GreedyTokens && quantized_head_ && quantized_stride_ > 0 && B == 1;
+  // Then the LM head's logits too are intervals, from its 8-bit rows, and formed exactly only where the argmax
+  // can be, as its product would form them (which therefore runs the tensor-core GEMV alone: at most 16 rows).
+  const bool lm_head_intervals = tokens_only && quantized_lm_head_ && lm_head_values_.size() > 0;
   cuda::StepProfiler& p = profiler_;
   p.mark("start", s);
   CUDA_CHECK(cudaMemsetAsync(alive_rows_.data(), 0, alive_rows_.bytes(), s));
   if (greedy) CUDA_CHECK(cudaMemsetAsync(argmax_keys_.data(), 0, size_t(gamma) * B * sizeof(unsigned long long), s));
+  if (lm_head_intervals) CUDA_CHECK(cudaMemsetAsync(lower_keys_.data(), 0, lower_keys_.bytes(), s));
 
   // Block rows: row 0 = E[anchor] @ tok_proj + block_pos[0]; row k = mask_emb[k-1] + block_pos[k].
   cuda::gather_rows_forward(anchor_rows_.data(), head_.embedding, anchors, B, H, s);
@@ -840,19 +875,26 @@ void CudaDrafter::run_step(int rows, StepKind step) {
   cuda::matmul_forward(head_input_.data(), cuda::MatmulOutput::BF16, normed_.data(), out_projection_.data(), nullptr, R,
                        d, H, s, kAnyKernel);
   p.mark("out_proj gemm", s);
-  cuda::matmul_forward(logits_.data(), cuda::MatmulOutput::F32, head_input_.data(), head_.lm_head, nullptr, R, H, V, s,
-                       kAnyKernel);
-  p.mark("lm head gemm", s);
+  const cuda::QuantizedActivations activations{activation_values_.data(), activation_scales_.data(),
+                                               activation_norms_.data()};
+  if (lm_head_intervals) {  // logits_ [γ, V]: the centers of U_k's intervals
+    cuda::quantize_activation_rows_forward(activations, head_input_.data(), R, H, s);
+    cuda::quantized_rows_product_forward(logits_.data(), lm_head_quantized(), activations, R, H, V, s);
+    p.mark("lm head 8-bit", s);
+  } else {
+    // The row-invariant family: the tensor-core GEMV alone up to 16 rows, whose sums the tokens-only head
+    // forms again for the columns it needs (kernels/cuda/tensor_gemv.cuh).
+    cuda::matmul_forward(logits_.data(), cuda::MatmulOutput::F32, head_input_.data(), head_.lm_head, nullptr, R, H, V,
+                         s, cuda::FewRowKernels::DecodeFamily);
+    p.mark("lm head gemm", s);
+  }
 
   // The sequential head, position by position for all rows: L_k = U_k + B_k in place, then x_k.
   const cuda::SequentialHeadWeights weights{head_embedding_.data(), confidence_weight_.data(), confidence_bias_.data(),
                                             temperatures_.data(), token_confidence_.data()};
   const cuda::SequentialHeadState head{anchors,    limits,        tokens, greedy ? argmax_keys_.data() : nullptr,
                                        confidence, alive_.data(), count,  alive_rows_.data()};
-  if (greedy && kind_ == cuda::SequentialHeadKind::Markov && one_launch_head_ &&
-      cuda::markov_head_supported(B, gamma, r, V, head_out_.data())) {
-    // Every position in one launch where w2 fits on chip (the demo drafter: a 0.125 -> 0.115 ms step
-    // at batch 4); at Qwen3-8B's vocabulary the per-position kernels below are faster (docs/PERF.md, stop 31).
+  if (one_launch) {
     cuda::markov_head_forward(logits_.data(), argmax_keys_.data(), head_out_.data(), hidden_.data(), B, gamma, r, d, V,
                               weights, control, head, head_barrier_.data(), s);
     p.mark("markov head", s);
@@ -862,12 +904,18 @@ void CudaDrafter::run_step(int rows, StepKind step) {
   // (markov_position_forward: no prepare kernel between positions); with more rows each block has more
   // verdicts to reach before its weights stream, and the prepare kernel pays (docs/PERF.md, stop 33).
   const bool markov_in_product = kind_ == cuda::SequentialHeadKind::Markov && B <= 2;
-  // Greedy without logits: each block of a position's product bounds its columns' logits from w2 at 8 bits and
-  // forms the exact logit only where the argmax can be (the same tokens; at Qwen3-8B's vocabulary half the bytes).
-  const bool tokens_only = step == StepKind::GreedyTokens && quantized_head_ && quantized_stride_ > 0 && B == 1;
   const cuda::QuantizedColumnsView quantized{quantized_values_.data(), quantized_stride_,
                                              quantized_scales_.data(), quantized_bounds_.data(),
                                              quantized_exact_.data(),  float(kQuantizedSlack)};
+  const cuda::LmHeadIntervals intervals{logits_.data(),
+                                        lm_head_bounds_.data(),
+                                        lm_head_norms_.data(),
+                                        activation_norms_.data(),
+                                        head_.lm_head,
+                                        head_input_.data(),
+                                        H,
+                                        lower_keys_.data(),
+                                        head_barrier_.data()};
   for (int k = 0; k < gamma; ++k) {
     float* logits = logits_.data() + long(k) * B * V;
     const int32_t* any_alive = alive_rows_.data() + k;
@@ -881,7 +929,8 @@ void CudaDrafter::run_step(int rows, StepKind step) {
       p.mark(greedy ? "head vocab gemm+argmax" : "head vocab gemm", s);
     };
     if (tokens_only) {  // the same tokens without the logits: w2 read at 8 bits
-      cuda::markov_position_tokens_forward(argmax_keys_.data(), logits, quantized, hidden_.data(),
+      cuda::markov_position_tokens_forward(argmax_keys_.data(), logits, quantized,
+                                           lm_head_intervals ? &intervals : nullptr, hidden_.data(),
                                            hidden_logits_.data(), k, B, gamma, r, d, V, weights, control, head, s);
       p.mark("head position tokens", s);
     } else if (markov_in_product) {  // e_k, c_k, pruning and B = e @ w2 in one launch

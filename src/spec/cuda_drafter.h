@@ -73,6 +73,7 @@
 
 #include "kernels/cuda/buffer.h"
 #include "kernels/cuda/draft.h"
+#include "kernels/cuda/quantized_product.h"
 #include "kernels/cuda/step_profiler.h"
 #include "model/cuda_target.h"
 #include "spec/draft.h"
@@ -143,6 +144,11 @@ class CudaDrafter {
   // 8 bits and form the exact logit only where the argmax can be; off, they
   // form every logit (benchmarks: both give the same tokens).
   void use_quantized_head(bool on);
+  // Experimental, off by default (its CUDA test does not yet pass: docs/PERF.md, stop 36): those steps also
+  // read the target's LM head at 8 bits (kernels/cuda/quantized_product.h), from a copy made when first
+  // switched on, and form its logits only where the argmax can be; off, they run its product over the whole
+  // vocabulary.
+  void use_quantized_lm_head(bool on);
 
  private:
   using bf16 = __nv_bfloat16;
@@ -192,6 +198,7 @@ class CudaDrafter {
   // What a step computes: sampled; greedy with every kept position's logits; greedy tokens only.
   enum class StepKind { Sampled, GreedyLogits, GreedyTokens };
   void run_step(int rows, StepKind kind);
+  cuda::QuantizedRows lm_head_quantized() const;
   void run_extension(int padded);
   // The work `work` queues on the drafter's stream, captured (not run) as a CUDA graph.
   cudaGraphExec_t capture(const std::function<void()>& work);
@@ -208,6 +215,7 @@ class CudaDrafter {
   bool use_graphs_ = true;
   bool one_launch_head_ = true;
   bool quantized_head_ = true;
+  bool quantized_lm_head_ = false;
 
   // Weights.
   std::vector<Layer> layers_;
@@ -229,6 +237,14 @@ class CudaDrafter {
   cuda::DeviceBuffer<float> quantized_scales_, quantized_bounds_;  // [V]
   cuda::DeviceBuffer<bf16> quantized_exact_;                       // [V, r] slice-major columns
   int quantized_stride_ = 0;                                       // 0: none
+  // The target's LM head at 8 bits for those steps (use_quantized_lm_head; where H is a multiple of 32 and γ at
+  // most 8), 1 byte per weight beside the target's 2 (622 MB at Qwen3-8B's shape); the logits' intervals go
+  // into logits_.
+  cuda::DeviceBuffer<int8_t> lm_head_values_;                                  // [V, H]
+  cuda::DeviceBuffer<float> lm_head_scales_, lm_head_bounds_, lm_head_norms_;  // [V]
+  cuda::DeviceBuffer<int8_t> activation_values_;                    // [2, 8, H] the LM head's input h_k, two levels
+  cuda::DeviceBuffer<float> activation_scales_, activation_norms_;  // [8], [2, 8]
+  cuda::DeviceBuffer<unsigned> lower_keys_;                         // [γ] zeroed each step
   cuda::DeviceBuffer<float> recurrent_, recurrent_bias_;           // rnn.wH [r, r], bH [r] / gru.wJ [2r+d, 3r], bJ [3r]
   cuda::DeviceBuffer<float> confidence_weight_, confidence_bias_;  // [d + r], [1]
   cuda::DeviceBuffer<float> token_confidence_;                     // [V] w1[v] . conf.w[d:] (Markov head)

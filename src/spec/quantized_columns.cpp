@@ -9,7 +9,7 @@
 
 namespace dspark {
 
-QuantizedColumns quantize_columns(const float* w, int rank, int vocab) {
+QuantizedColumns quantize_columns(const float* w, int rank, int vocab, double slack) {
   DSPARK_CHECK(rank > 0 && rank % 8 == 0 && vocab > 0, "quantize_columns: rank ", rank, " (a multiple of 8) and vocab ",
                vocab, " (positive)");
   QuantizedColumns out;
@@ -41,7 +41,7 @@ QuantizedColumns quantize_columns(const float* w, int rank, int vocab) {
       out.exact[size_t(v) * rank + size_t(i % 8) * per_slice + i / 8] = column[i];
     }
     residual = std::sqrt(residual), norm = std::sqrt(norm);
-    const double bound = (residual + kQuantizedSlack * (norm + residual)) * (1.0 + 1e-6);
+    const double bound = (residual + slack * (norm + residual)) * (1.0 + 1e-6);
     out.scales[v] = scale;
     const float infinity = std::numeric_limits<float>::infinity();
     out.bounds[v] = !finite ? infinity : bound > 0.0 ? std::nextafter(float(bound), infinity) : 0.0f;

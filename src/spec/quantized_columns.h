@@ -33,7 +33,8 @@ struct QuantizedColumns {
 constexpr double kQuantizedSlack = 1.0 / 4096.0;
 
 // w [rank, vocab] as the GPU holds it (each value rounded to bf16 first);
-// rank a multiple of 8.
-QuantizedColumns quantize_columns(const float* w, int rank, int vocab);
+// rank a multiple of 8. (kernels/cuda/quantized_product.h's rows are these
+// columns with a larger slack: its products have thousands of terms.)
+QuantizedColumns quantize_columns(const float* w, int rank, int vocab, double slack = kQuantizedSlack);
 
 }  // namespace dspark

@@ -28,6 +28,7 @@
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/draft.h"
 #include "kernels/cuda/matmul.h"
+#include "kernels/cuda/quantized_product.h"
 #include "model/cpu_target.h"
 #include "model/cuda_target.h"
 #include "model/generate.h"
@@ -312,35 +313,24 @@ TEST(CudaDraftOps, SequentialHeadPrepareConfidenceAndPruning) {
   }
 }
 
-TEST(CudaDraftOps, MarkovHeadKernelsEqualThePrepareAndProductKernels) {
-  // The reference: sequential_head_prepare_forward + matmul_in_out(_argmax)_forward per position (+
-  // argmax_tokens_forward). markov_position_forward per position, greedy and sampled, and markov_head_forward
-  // (greedy, where w2 fits on chip) give the same counts and alive rows; the same logits and tokens, bit for bit,
-  // at every (row, position) kept; confidences up to their dot product's order. Qwen3-8B's vocabulary at rank 64
-  // (on chip) and 256 (per position only), the demo drafter's shape, small ones, a vocabulary not a multiple of 8
-  // (per position only, weights read one by one), row groups of 1, 2, 4 and 8 (10 = 8 + 2, the second all padding),
-  // a padding row, pruning, every row pruned. markov_position_tokens_forward (greedy, one row): the same
-  // counts, alive rows, confidences and tokens, with w2 large against U (many columns given the exact product),
-  // small (few), and columns repeating every 7 (exact ties everywhere: the lowest index wins).
-  enum class Floor { None, Between, Above };  // none; between row 0's confidences; above every confidence
-  enum class Head { Reference, PerPosition, OneLaunch, TokensOnly };
-  struct Case {
-    int B, r, V;
-    Floor floor;
-    float w2_scale = 1.0f;
-    bool ties = false;
-  };
+enum class Floor { None, Between, Above };  // none; between row 0's confidences; above every confidence
+enum class Head { Reference, PerPosition, OneLaunch, TokensOnly, TokensOnlyIntervals };
+struct MarkovCase {
+  int B, r, V;
+  Floor floor;
+  float w2_scale = 1.0f;
+  bool ties = false;
+  int H = 0;  // > 0: U from an LM head [V, H] with weights uniform in +-lm_scale
+  float lm_scale = 1.0f;
+};
+
+// The Markov head's kernels on `cases` (MarkovHeadKernelsEqualThePrepareAndProductKernels says what they check).
+void check_markov_heads(const std::vector<MarkovCase>& cases) {
   const int gamma = 7, d = 40;
   DeviceBuffer<unsigned> barrier(2);  // zeroed once: every launch leaves it ready for the next
   CUDA_CHECK(cudaMemset(barrier.data(), 0, barrier.bytes()));
   EXPECT_FALSE(cuda::markov_head_supported(1, gamma, 256, 151936, nullptr)) << "Qwen3-8B's w2 does not fit on chip";
-  for (const Case& test :
-       {Case{1, 64, 151936, Floor::None}, Case{1, 256, 151936, Floor::Between}, Case{1, 64, 8192, Floor::None},
-        Case{2, 128, 50000, Floor::Between}, Case{3, 16, 1000, Floor::None}, Case{6, 64, 8192, Floor::Between},
-        Case{4, 8, 512, Floor::Above}, Case{10, 32, 2048, Floor::Between}, Case{2, 16, 1001, Floor::None},
-        Case{1, 256, 151936, Floor::Between, 0.01f}, Case{1, 64, 20000, Floor::None, 0.05f},
-        Case{1, 64, 3000, Floor::None, 1.0f, true}, Case{1, 8, 1000, Floor::Between, 0.2f, true},
-        Case{1, 16, 1001, Floor::None}}) {
+  for (const MarkovCase& test : cases) {
     const int B = test.B, r = test.r, V = test.V;
     const std::string what = "B " + std::to_string(B) + " r " + std::to_string(r) + " V " + std::to_string(V);
     Rng rng(B * 131 + r);
@@ -359,6 +349,61 @@ TEST(CudaDraftOps, MarkovHeadKernelsEqualThePrepareAndProductKernels) {
         for (int i = 0; i < r; ++i) w2[size_t(i) * V + v] = w2[size_t(i) * V + v % 7];
         for (int row = 0; row < gamma * B; ++row) lm_logits[size_t(row) * V + v] = lm_logits[size_t(row) * V + v % 7];
       }
+    }
+    // The LM head case: U = h @ lm_head (rows repeating every 7 for ties), and its intervals' inputs.
+    const int H = test.H;
+    DeviceBuffer<bf16> lm_head(size_t(V) * H), lm_hidden = to_device_bf16(random_values(gamma * H, 800));
+    DeviceBuffer<int8_t> lm_values(size_t(V) * H), activation_values(2 * cuda::kQuantizedActivationRows * H);
+    DeviceBuffer<float> lm_scales(V), lm_bounds(V), lm_norms(V), activation_scales(8), activation_norms(16);
+    DeviceBuffer<float> centers(size_t(gamma) * V);
+    DeviceBuffer<unsigned> lower_keys(gamma);
+    const cuda::QuantizedRows lm_rows{lm_values.data(), lm_scales.data(), lm_bounds.data(), lm_norms.data()};
+    const cuda::QuantizedActivations activations{activation_values.data(), activation_scales.data(),
+                                                 activation_norms.data()};
+    const cuda::LmHeadIntervals intervals{centers.data(),
+                                          lm_bounds.data(),
+                                          lm_norms.data(),
+                                          activation_norms.data(),
+                                          lm_head.data(),
+                                          lm_hidden.data(),
+                                          H,
+                                          lower_keys.data(),
+                                          barrier.data()};
+    if (H > 0) {
+      std::vector<uint16_t> bits(size_t(V) * H);
+      uint32_t state = 12345u + uint32_t(H);
+      for (size_t i = 0; i < size_t(7) * H; ++i) {  // xorshift32: uniform in +-lm_scale
+        state ^= state << 13, state ^= state >> 17, state ^= state << 5;
+        bits[i] = f32_to_bf16(test.lm_scale * float(2.0 * (state / 4294967296.0) - 1.0));
+      }
+      for (size_t i = size_t(7) * H; i < bits.size(); ++i) {
+        state ^= state << 13, state ^= state >> 17, state ^= state << 5;
+        bits[i] = test.ties ? bits[i % (size_t(7) * H)]
+                            : f32_to_bf16(test.lm_scale * float(2.0 * (state / 4294967296.0) - 1.0));
+      }
+      CUDA_CHECK(cudaMemcpy(lm_head.data(), bits.data(), lm_head.bytes(), cudaMemcpyHostToDevice));
+      DeviceBuffer<float> u(size_t(gamma) * V);
+      cuda::matmul_forward(u.data(), cuda::MatmulOutput::F32, lm_hidden.data(), lm_head.data(), nullptr, gamma, H, V,
+                           nullptr, cuda::FewRowKernels::DecodeFamily);
+      lm_logits = from_device(u);
+      cuda::quantize_rows_forward(lm_rows, lm_head.data(), V, H, cuda::kQuantizedProductSlack, nullptr);
+      // Every U_k[v] within its interval.
+      cuda::quantize_activation_rows_forward(activations, lm_hidden.data(), gamma, H, nullptr);
+      cuda::quantized_rows_product_forward(centers.data(), lm_rows, activations, gamma, H, V, nullptr);
+      const auto center = from_device(centers), bound = from_device(lm_bounds), norm = from_device(lm_norms);
+      const auto activation_norm = from_device(activation_norms);
+      long outside = 0;
+      double widest = 0.0, spread = 0.0;
+      for (int k = 0; k < gamma; ++k)
+        for (int v = 0; v < V; ++v) {
+          const size_t i = size_t(k) * V + v;
+          const double reach = double(activation_norm[k]) * bound[v] + double(activation_norm[8 + k]) * norm[v];
+          outside += std::fabs(double(lm_logits[i]) - center[i]) > reach;
+          widest = std::max(widest, reach);
+          spread = std::max(spread, std::fabs(double(lm_logits[i])));
+        }
+      EXPECT_EQ(outside, 0) << what << ": logits outside their intervals";
+      EXPECT_LT(widest, 0.2 * spread) << what << ": intervals too wide to prune";
     }
     const auto confidence_weight = random_values(d + r, 600 + B, 0.3f);
     std::vector<float> token_confidence(V, 0.0f);
@@ -380,6 +425,7 @@ TEST(CudaDraftOps, MarkovHeadKernelsEqualThePrepareAndProductKernels) {
                                               temperatures_device.data(), token_confidence_device.data()};
     const bool on_chip = cuda::markov_head_supported(B, gamma, r, V, w2_device.data());
     const bool tokens_only = B == 1 && r % 8 == 0;
+    EXPECT_TRUE(H == 0 || tokens_only) << what << ": an LM head case tests the tokens-only head";
     const QuantizedColumns quantized = tokens_only ? quantize_columns(w2.data(), r, V) : QuantizedColumns{};
     auto quantized_values = to_device(quantized.values);
     auto quantized_scales = to_device(quantized.scales), quantized_bounds = to_device(quantized.bounds);
@@ -414,10 +460,17 @@ TEST(CudaDraftOps, MarkovHeadKernelsEqualThePrepareAndProductKernels) {
       } else {
         for (int k = 0; k < gamma; ++k) {
           float* position_logits = logits.data() + size_t(k) * B * V;
-          if (kind == Head::TokensOnly) {
-            cuda::markov_position_tokens_forward(keys.data(), position_logits, quantized_view, hidden_device.data(),
-                                                 hidden_logits.data(), k, B, gamma, r, d, V, weights,
-                                                 control_device.data(), head, nullptr);
+          if (kind == Head::TokensOnly || kind == Head::TokensOnlyIntervals) {
+            if (kind == Head::TokensOnlyIntervals && k == 0) {  // U_k's intervals (the logits are not read)
+              CUDA_CHECK(cudaMemset(lower_keys.data(), 0, lower_keys.bytes()));
+              CUDA_CHECK(cudaMemset(logits.data(), 0xff, logits.bytes()));
+              cuda::quantize_activation_rows_forward(activations, lm_hidden.data(), gamma, H, nullptr);
+              cuda::quantized_rows_product_forward(centers.data(), lm_rows, activations, gamma, H, V, nullptr);
+            }
+            cuda::markov_position_tokens_forward(keys.data(), position_logits, quantized_view,
+                                                 kind == Head::TokensOnlyIntervals ? &intervals : nullptr,
+                                                 hidden_device.data(), hidden_logits.data(), k, B, gamma, r, d, V,
+                                                 weights, control_device.data(), head, nullptr);
             continue;
           }
           if (kind == Head::PerPosition) {
@@ -436,7 +489,7 @@ TEST(CudaDraftOps, MarkovHeadKernelsEqualThePrepareAndProductKernels) {
             cuda::matmul_in_out_forward(position_logits, e.data(), w2_device.data(), nullptr, B, r, V, true,
                                         alive_rows.data() + k, nullptr);
         }
-        if (greedy || kind == Head::TokensOnly)
+        if (greedy || kind == Head::TokensOnly || kind == Head::TokensOnlyIntervals)
           cuda::argmax_tokens_forward(tokens.data(), keys.data(), gamma * B, nullptr);
       }
       return Outputs{from_device(logits), from_device(confidence), from_device(tokens), from_device(count),
@@ -459,16 +512,20 @@ TEST(CudaDraftOps, MarkovHeadKernelsEqualThePrepareAndProductKernels) {
       } else if (test.floor == Floor::Between && greedy) {  // (the sampled tokens give other confidences)
         EXPECT_LT(expected.count[0], gamma) << what << ": the floor prunes nothing (the case tests less than it says)";
       }
-      for (const Head kind : {Head::PerPosition, Head::OneLaunch, Head::TokensOnly}) {
+      for (const Head kind : {Head::PerPosition, Head::OneLaunch, Head::TokensOnly, Head::TokensOnlyIntervals}) {
         if (kind == Head::OneLaunch && (!greedy || !on_chip)) continue;
         if (kind == Head::TokensOnly && (!greedy || !tokens_only)) continue;
-        const std::string how = what +
-                                (kind == Head::OneLaunch    ? " one launch"
-                                 : kind == Head::TokensOnly ? " tokens only"
-                                                            : " per position") +
+        if (kind == Head::TokensOnlyIntervals && (!greedy || H == 0)) continue;
+        const std::string how = what + " H " + std::to_string(H) +
+                                (kind == Head::OneLaunch             ? " one launch"
+                                 : kind == Head::TokensOnly          ? " tokens only"
+                                 : kind == Head::TokensOnlyIntervals ? " tokens only, U as intervals"
+                                                                     : " per position") +
                                 (greedy ? " greedy" : " sampled");
         const Outputs got = run(kind, greedy), again = run(kind, greedy);
-        EXPECT_TRUE(again.logits == got.logits && again.tokens == got.tokens) << how << ": a second launch differs";
+        EXPECT_TRUE(std::memcmp(again.logits.data(), got.logits.data(), got.logits.size() * sizeof(float)) == 0 &&
+                    again.tokens == got.tokens)  // bits: the tokens-only heads leave the poisoned logits (NaN)
+            << how << ": a second launch differs";
         EXPECT_EQ(got.count, expected.count) << how;
         EXPECT_EQ(got.alive_rows, expected.alive_rows) << how;
         for (int b = 0; b < B; ++b) {
@@ -476,7 +533,7 @@ TEST(CudaDraftOps, MarkovHeadKernelsEqualThePrepareAndProductKernels) {
             const size_t slot = size_t(k) * B + b;
             EXPECT_NEAR(got.confidence[slot], expected.confidence[slot], 1e-5) << how << " slot " << slot;
             EXPECT_EQ(got.tokens[slot], expected.tokens[slot]) << how << " slot " << slot;
-            if (kind == Head::TokensOnly) continue;  // it writes no logits
+            if (kind == Head::TokensOnly || kind == Head::TokensOnlyIntervals) continue;  // it writes no logits
             EXPECT_TRUE(std::equal(got.logits.begin() + slot * V, got.logits.begin() + (slot + 1) * V,
                                    expected.logits.begin() + slot * V))
                 << how << ": logits differ at slot " << slot;
@@ -484,6 +541,117 @@ TEST(CudaDraftOps, MarkovHeadKernelsEqualThePrepareAndProductKernels) {
         }
       }
     }
+  }
+}
+
+TEST(CudaDraftOps, MarkovHeadKernelsEqualThePrepareAndProductKernels) {
+  // The reference: sequential_head_prepare_forward + matmul_in_out(_argmax)_forward per position (+
+  // argmax_tokens_forward). markov_position_forward per position, greedy and sampled, and markov_head_forward
+  // (greedy, where w2 fits on chip) give the same counts and alive rows; the same logits and tokens, bit for bit,
+  // at every (row, position) kept; confidences up to their dot product's order. Qwen3-8B's vocabulary at rank 64
+  // (on chip) and 256 (per position only), the demo drafter's shape, small ones, a vocabulary not a multiple of 8
+  // (per position only, weights read one by one), row groups of 1, 2, 4 and 8 (10 = 8 + 2, the second all padding),
+  // a padding row, pruning, every row pruned. markov_position_tokens_forward (greedy, one row): the same
+  // counts, alive rows, confidences and tokens, with w2 large against U (many columns given the exact product),
+  // small (few), and columns repeating every 7 (exact ties everywhere: the lowest index wins).
+  check_markov_heads({MarkovCase{1, 64, 151936, Floor::None}, MarkovCase{1, 256, 151936, Floor::Between},
+                      MarkovCase{1, 64, 8192, Floor::None}, MarkovCase{2, 128, 50000, Floor::Between},
+                      MarkovCase{3, 16, 1000, Floor::None}, MarkovCase{6, 64, 8192, Floor::Between},
+                      MarkovCase{4, 8, 512, Floor::Above}, MarkovCase{10, 32, 2048, Floor::Between},
+                      MarkovCase{2, 16, 1001, Floor::None}, MarkovCase{1, 256, 151936, Floor::Between, 0.01f},
+                      MarkovCase{1, 64, 20000, Floor::None, 0.05f}, MarkovCase{1, 64, 3000, Floor::None, 1.0f, true},
+                      MarkovCase{1, 8, 1000, Floor::Between, 0.2f, true}, MarkovCase{1, 16, 1001, Floor::None}});
+}
+
+// Disabled: on an H100 (stop 36) the third case (H 64, V 1001) did not finish in 80 s, cause not yet found
+// (docs/PERF.md, stop 36); CudaDrafter keeps the LM head as intervals off by default meanwhile. Run with
+// --gtest_also_run_disabled_tests.
+TEST(CudaDraftOps, DISABLED_MarkovTokensHeadWithTheLmHeadAsIntervals) {
+  // Cases with an LM head (H > 0: U = h @ lm_head by the LM head's GEMV): every head as above, and the tokens-only
+  // head with U as intervals from the LM head's 8-bit rows (quantized_product.h), which first must hold U: Qwen3-8B's
+  // shape with U large and small against e_k @ w2, small shapes, and ties (more candidates a block than its shared
+  // memory stages at once).
+  check_markov_heads({MarkovCase{1, 256, 151936, Floor::Between, 1.0f, false, 4096, 1.0f},
+                      MarkovCase{1, 256, 151936, Floor::None, 1.0f, false, 4096, 0.02f},
+                      MarkovCase{1, 16, 1001, Floor::None, 1.0f, false, 64},
+                      MarkovCase{1, 64, 3000, Floor::Between, 0.5f, true, 128},
+                      MarkovCase{1, 64, 3000, Floor::None, 1.0f, true, 4096}});
+}
+
+TEST(CudaDraftOps, QuantizedRowsAreTheHostsQuantizedColumns) {
+  // quantize_rows_forward against quantize_columns on the transposed matrix: the same 8-bit values and scales,
+  // bounds within rounding (summed in another order), norms ||scale q|| rounded up; zero, spiky and
+  // non-finite rows. quantize_activation_rows_forward: both levels within -127..127, ||h|| and ||h - h'||
+  // rounded up, the second level leaving under 1% of the first's residual, padding rows zero.
+  const int V = 301, H = 96;
+  auto w = bf16_rounded(random_values(size_t(V) * H, 91, 0.5f));
+  for (int i = 0; i < H; ++i) w[size_t(1) * H + i] = 0.0f;
+  w[size_t(2) * H + 5] = 300.0f;
+  w[size_t(3) * H + 7] = std::numeric_limits<float>::infinity();
+  w[size_t(4) * H + 9] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> transposed(size_t(H) * V);
+  for (int v = 0; v < V; ++v)
+    for (int i = 0; i < H; ++i) transposed[size_t(i) * V + v] = w[size_t(v) * H + i];
+  const QuantizedColumns expected = quantize_columns(transposed.data(), H, V, cuda::kQuantizedProductSlack);
+  auto w_device = to_device_bf16(w);
+  DeviceBuffer<int8_t> values(size_t(V) * H);
+  DeviceBuffer<float> scales(V), bounds(V), norms(V);
+  cuda::quantize_rows_forward({values.data(), scales.data(), bounds.data(), norms.data()}, w_device.data(), V, H,
+                              cuda::kQuantizedProductSlack, nullptr);
+  const auto got_values = from_device(values);
+  const auto got_scales = from_device(scales), got_bounds = from_device(bounds), got_norms = from_device(norms);
+  for (int v = 0; v < V; ++v) {
+    for (int i = 0; i < H; ++i)
+      ASSERT_EQ(int(got_values[size_t(v) * H + i]), int(expected.values[size_t(i) * expected.stride + v]) - 128)
+          << "row " << v << " element " << i;
+    EXPECT_EQ(got_scales[v], expected.scales[v]) << "row " << v;
+    if (std::isinf(expected.bounds[v])) {
+      EXPECT_TRUE(std::isinf(got_bounds[v])) << "row " << v;
+    } else {
+      EXPECT_NEAR(got_bounds[v], expected.bounds[v], 1e-6 * expected.bounds[v] + 1e-30) << "row " << v;
+    }
+    long double kept = 0.0L;
+    for (int i = 0; i < H; ++i) {
+      const long double q = static_cast<long double>(got_scales[v]) * got_values[size_t(v) * H + i];
+      kept += q * q;
+    }
+    kept = std::sqrt(kept);
+    EXPECT_GE(got_norms[v], kept) << "row " << v;
+    EXPECT_LE(got_norms[v], kept * (1.0L + 1e-5L) + 1e-30L) << "row " << v;
+  }
+  EXPECT_EQ(got_scales[1], 0.0f);
+  EXPECT_EQ(got_bounds[1], 0.0f) << "a zero row is exact";
+
+  const int rows = 5;
+  auto x = bf16_rounded(random_values(size_t(rows) * H, 92, 3.0f));
+  x[2 * H + 11] = 900.0f;  // a spike: the first level's step is coarse, the second's fine
+  auto x_device = to_device_bf16(x);
+  DeviceBuffer<int8_t> levels(size_t(2) * cuda::kQuantizedActivationRows * H);
+  DeviceBuffer<float> x_scales(cuda::kQuantizedActivationRows), x_norms(2 * cuda::kQuantizedActivationRows);
+  CUDA_CHECK(cudaMemset(levels.data(), 0x55, levels.bytes()));
+  cuda::quantize_activation_rows_forward({levels.data(), x_scales.data(), x_norms.data()}, x_device.data(), rows, H,
+                                         nullptr);
+  const auto got_levels = from_device(levels);
+  const auto got_x_scales = from_device(x_scales), got_x_norms = from_device(x_norms);
+  for (int k = 0; k < cuda::kQuantizedActivationRows; ++k) {
+    long double norm = 0.0L, left = 0.0L, first_left = 0.0L;
+    for (int i = 0; i < H; ++i) {
+      const int q1 = got_levels[size_t(k) * H + i], q2 = got_levels[size_t(8 + k) * H + i];
+      if (k >= rows) {
+        ASSERT_EQ(q1, 0) << "padding row " << k;
+        ASSERT_EQ(q2, 0) << "padding row " << k;
+        continue;
+      }
+      ASSERT_TRUE(q1 >= -127 && q1 <= 127 && q2 >= -127 && q2 <= 127) << "row " << k;
+      const long double value = x[size_t(k) * H + i], scale = got_x_scales[k];
+      norm += value * value;
+      const long double first = value - scale * q1, second = value - scale * (q1 + q2 / 254.0L);
+      first_left += first * first, left += second * second;
+    }
+    if (k >= rows) continue;
+    EXPECT_GE(got_x_norms[k], std::sqrt(norm)) << "row " << k;
+    EXPECT_GE(got_x_norms[8 + k], std::sqrt(left)) << "row " << k;
+    EXPECT_LE(got_x_norms[8 + k], 0.01L * std::sqrt(first_left) + 1e-30L) << "row " << k;
   }
 }
 

@@ -47,6 +47,20 @@ __device__ __forceinline__ float block_max(float value, float* scratch) {
   return warp_max(value);
 }
 
+// Tree sum of a block's doubles in shared memory (blockDim.x a power of two;
+// scratch [blockDim.x]); every thread gets the result.
+__device__ __forceinline__ double block_sum_double(double value, double* scratch) {
+  scratch[threadIdx.x] = value;
+  __syncthreads();
+  for (int half = blockDim.x / 2; half > 0; half >>= 1) {
+    if (threadIdx.x < half) scratch[threadIdx.x] += scratch[threadIdx.x + half];
+    __syncthreads();
+  }
+  const double total = scratch[0];
+  __syncthreads();  // scratch may be reused right after
+  return total;
+}
+
 // Four bf16 packed in 8 bytes (low half first) as floats.
 __device__ __forceinline__ float4 bf16x4_to_float4(uint2 bits) {
   const float2 low = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits.x));
@@ -70,10 +84,17 @@ __device__ __forceinline__ float gelu_tanh(float x) {
 // Argmax across blocks with one 64-bit atomicMax: the key orders by value,
 // then by the smaller index (the first index among equal maxima, as
 // torch.argmax and cpu::argmax). Every real key exceeds 0, the empty key.
-__device__ __forceinline__ unsigned long long argmax_key(float value, int index) {
+// A float's bits as an unsigned that orders as the floats do (0: below -inf).
+__device__ __forceinline__ unsigned ordered_bits(float value) {
   const unsigned bits = __float_as_uint(value);
-  const unsigned ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-  return (static_cast<unsigned long long>(ordered) << 32) | (0xffffffffu - static_cast<unsigned>(index));
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+__device__ __forceinline__ float float_of_ordered_bits(unsigned ordered) {
+  return __uint_as_float((ordered & 0x80000000u) ? (ordered & 0x7fffffffu) : ~ordered);
+}
+
+__device__ __forceinline__ unsigned long long argmax_key(float value, int index) {
+  return (static_cast<unsigned long long>(ordered_bits(value)) << 32) | (0xffffffffu - static_cast<unsigned>(index));
 }
 
 // The index of a key; -1 for the empty key.

@@ -94,18 +94,38 @@ struct QuantizedColumnsView {
   float slack;                 // relative slack for f32 rounding in the bounds
 };
 
+// The LM head's logits U_k when its product did not run, as intervals
+// (quantized_product.h), with what it takes to form a column's exact logit:
+// the bits of the LM head's tensor-core GEMV (matmul_forward at up to
+// kRowInvariantRows rows, tensor_gemv.cuh).
+constexpr int kMaxIntervalHidden = 12288;  // the largest H markov_position_tokens_forward takes as intervals
+struct LmHeadIntervals {
+  const float* centers;           // [γ, V] quantized_rows_product_forward's
+  const float* row_bounds;        // [V] QuantizedRows::bounds
+  const float* row_norms;         // [V] QuantizedRows::norms
+  const float* activation_norms;  // [2, 8] QuantizedActivations::norms of the rows h_k
+  const __nv_bfloat16* weight;    // [V, H] the LM head
+  const __nv_bfloat16* hidden;    // [γ, H] its input rows h_k
+  int hidden_size;                // H, a multiple of 32, at most kMaxIntervalHidden
+  unsigned* lower_keys;           // [γ] zeroed before position 0: the best lower end over all blocks
+  unsigned* barrier;              // two unsigned, zeroed once, left as they were found
+};
+
 // Position k of the greedy Markov head for one row, tokens only:
 // markov_position_forward's e_k, c_k, pruning and x_k (the same argmax keys,
 // bit for bit), without writing the logits. Each block bounds its columns'
 // logits from the 8-bit columns, then forms the exact logit (the full
 // product's sums, in its order) only for the columns whose upper bound
-// reaches the block's best lower bound and the best key found so far; those
-// keys go into argmax_keys. logits [1, V]: U_k, read only. Needs rows = 1
-// and r a multiple of 8.
+// reaches the best lower bound and the best key found so far; those keys go
+// into argmax_keys. lm_head null: logits [1, V] hold U_k (read only), and a
+// block compares with its own best lower bound. lm_head given: U_k is an
+// interval too (logits is not read); the blocks meet at a grid barrier to
+// compare with the best lower bound of all, and form U_k exactly where the
+// argmax can be. Needs rows = 1 and r a multiple of 8.
 void markov_position_tokens_forward(unsigned long long* argmax_keys, const float* logits,
-                                    const QuantizedColumnsView& w2, const float* hidden, float* hidden_logits,
-                                    int position, int rows, int gamma, int rank, int width, int vocab,
-                                    const SequentialHeadWeights& weights, const DraftControl* control,
+                                    const QuantizedColumnsView& w2, const LmHeadIntervals* lm_head, const float* hidden,
+                                    float* hidden_logits, int position, int rows, int gamma, int rank, int width,
+                                    int vocab, const SequentialHeadWeights& weights, const DraftControl* control,
                                     const SequentialHeadState& head, cudaStream_t stream);
 
 // The greedy Markov head's γ positions for every row in one launch, with the

@@ -28,7 +28,9 @@
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/draft.h"
 #include "kernels/cuda/in_out_product.cuh"
+#include "kernels/cuda/quantized_product.h"
 #include "kernels/cuda/sequential_head.cuh"
+#include "kernels/cuda/tensor_gemv.cuh"
 
 namespace dspark::cuda {
 namespace {
@@ -71,9 +73,19 @@ __device__ __forceinline__ void accumulate(float (&sums)[ROWS][8], uint4 packed,
 // Every block waits here until all blocks have arrived; what each wrote before
 // is visible to all after. arrived returns to 0 at each barrier, generation
 // only grows (both zeroed once, at allocation). It needs every block of the
-// grid resident at once: the grid is at most one block per multiprocessor,
-// and the kernel never calls start_next_kernel(), so no later kernel takes a
-// multiprocessor before all of its blocks have one.
+// grid resident at once: the launchers check the occupancy, and a later
+// kernel takes a multiprocessor early only once every block has called
+// start_next_kernel(), so has one. A block that waits longer than
+// kBarrierPatienceNanoseconds stops the kernel with an error: a grid not all
+// resident would otherwise hang the process.
+constexpr unsigned long long kBarrierPatienceNanoseconds = 10'000'000'000ull;
+
+__device__ __forceinline__ unsigned long long global_nanoseconds() {
+  unsigned long long now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  return now;
+}
+
 __device__ __forceinline__ void grid_barrier(unsigned* arrived, unsigned* generation, unsigned blocks) {
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -84,8 +96,10 @@ __device__ __forceinline__ void grid_barrier(unsigned* arrived, unsigned* genera
       asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" ::"l"(arrived) : "memory");
       asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(generation) : "memory");
     } else {
+      const unsigned long long start = global_nanoseconds();
       do {
         asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(generation) : "memory");
+        if (now == current && global_nanoseconds() - start > kBarrierPatienceNanoseconds) __trap();
       } while (now == current);
     }
   }
@@ -416,11 +430,30 @@ __device__ __forceinline__ void multiply_sixteen(float (&sums)[16], uint4 packed
     }
 }
 
+// INTERVALS: U_k too is an interval (LmHeadIntervals): the blocks meet at a
+// grid barrier (all of them are resident: 297 at Qwen3-8B's vocabulary, three
+// a multiprocessor) to compare with the best lower end of all, and a
+// candidate's U_k is formed by the block's eight warps as the LM head's
+// tensor-core GEMV forms it (tensor_gemv.cuh), from h_k and weight rows staged
+// in shared memory: a warp's chunks follow each other, and from global memory
+// each would wait for its own round trip.
+constexpr size_t kWarpSumBytes = sizeof(float) * kMmaWarps * 4 * 32;
+constexpr int kStagedRowPadding = 8;  // elements: rows g and g + 1 of a piece's load in different banks
+
+// Candidate rows the slots hold at once beside the warps' sums and h_k (0: H too large).
+__host__ __device__ constexpr int staged_row_count(int hidden_size) {
+  const long free = long(kTokenSlotBytes) - long(kWarpSumBytes) - 2L * hidden_size;
+  const long rows = free < 0 ? 0 : free / (2L * (hidden_size + kStagedRowPadding));
+  return int(rows < 16 ? rows : 16);
+}
+static_assert(staged_row_count(kMaxIntervalHidden) >= 1);
+template <bool INTERVALS>
 __global__ void __launch_bounds__(kTokenThreads, 3)
     markov_position_tokens_kernel(unsigned long long* argmax_keys, const float* logits, QuantizedColumnsView w2,
-                                  const float* hidden, float* hidden_logits, int k, int rows, int gamma, int rank,
-                                  int width, int vocab, SequentialHeadWeights weights, const DraftControl* control,
-                                  SequentialHeadState head) {
+                                  LmHeadIntervals lm, const float* hidden, float* hidden_logits, int k, int rows,
+                                  int gamma, int rank, int width, int vocab, SequentialHeadWeights weights,
+                                  const DraftControl* control, SequentialHeadState head) {
+  static_assert(kTokenThreads == kMmaWarps * 32, "a candidate's U_k takes the GEMV's warps");
   extern __shared__ __align__(16) unsigned char token_shared[];
   uint4* slots = reinterpret_cast<uint4*>(token_shared) + threadIdx.x;  // slot j at slots[j * kTokenThreads]
   const int lane = threadIdx.x & 31, slice = threadIdx.x >> 5;
@@ -436,11 +469,12 @@ __global__ void __launch_bounds__(kTokenThreads, 3)
   };
   for (int j = 0; j < kTokenStaged; ++j) stage(j);  // before the wait: nothing before this kernel writes w2
   // The block's columns' scales and bounds (two a thread), also never written.
-  float scale[2], bound[2];
+  float scale[2], bound[2], row_bound[2], row_norm[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int v = min(blockIdx.x * kTokenColumns + threadIdx.x + h * kTokenThreads, vocab - 1);
     scale[h] = __ldg(w2.scales + v), bound[h] = __ldg(w2.bounds + v);
+    if constexpr (INTERVALS) row_bound[h] = __ldg(lm.row_bounds + v), row_norm[h] = __ldg(lm.row_norms + v);
   }
   wait_for_previous_kernel();
   start_next_kernel();
@@ -450,10 +484,18 @@ __global__ void __launch_bounds__(kTokenThreads, 3)
     asm volatile("cp.async.wait_all;" ::: "memory");  // no copy outlives the block
     return;                                           // the same in every thread: no barrier is skipped
   }
-  float base[2];  // U of the two columns
+  float base[2], base_reach[2] = {};  // U of the two columns (INTERVALS: its center, and how far U can be from it)
 #pragma unroll
-  for (int h = 0; h < 2; ++h)
-    base[h] = __ldcg(logits + min(blockIdx.x * kTokenColumns + threadIdx.x + h * kTokenThreads, vocab - 1));
+  for (int h = 0; h < 2; ++h) {
+    const int v = min(blockIdx.x * kTokenColumns + threadIdx.x + h * kTokenThreads, vocab - 1);
+    if constexpr (INTERVALS) {
+      base[h] = __ldcg(lm.centers + static_cast<long>(k) * vocab + v);
+      base_reach[h] = __ldcg(lm.activation_norms + k) * row_bound[h] +
+                      __ldcg(lm.activation_norms + kQuantizedActivationRows + k) * row_norm[h];
+    } else {
+      base[h] = __ldcg(logits + v);
+    }
+  }
   // e_k into shared memory in one round trip (read in the loop, one feature an iteration, it waited on
   // each of its cache lines in turn).
   float* e = reinterpret_cast<float*>(token_shared + kTokenSlotBytes);
@@ -501,7 +543,7 @@ __global__ void __launch_bounds__(kTokenThreads, 3)
 #pragma unroll
     for (int s = 0; s < kInOutSlices; ++s) approximate += partial[s * kTokenColumns + local];
     const float value = base[h] + scale[h] * approximate;
-    const float reach = bound[h] * norm + slack * fabsf(base[h]) + 1e-30f;
+    const float reach = bound[h] * norm + base_reach[h] + slack * fabsf(base[h]) + 1e-30f;
     upper[h] = value + reach;  // NaN where anything is: then always given the exact sum
     best_lower = fmaxf(best_lower, value - reach);
   }
@@ -510,6 +552,11 @@ __global__ void __launch_bounds__(kTokenThreads, 3)
   __syncthreads();
 #pragma unroll
   for (int w = 0; w < kInOutSlices; ++w) best_lower = fmaxf(best_lower, warp_lower[w]);
+  if constexpr (INTERVALS) {  // the best lower end of all blocks
+    if (threadIdx.x == 0) atomicMax(lm.lower_keys + k, ordered_bits(best_lower));
+    grid_barrier(lm.barrier, lm.barrier + 1, gridDim.x);
+    best_lower = fmaxf(best_lower, float_of_ordered_bits(__ldcg(lm.lower_keys + k)));
+  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int local = threadIdx.x + h * kTokenThreads, v = blockIdx.x * kTokenColumns + local;
@@ -517,6 +564,58 @@ __global__ void __launch_bounds__(kTokenThreads, 3)
       candidates[atomicAdd(&candidate_count, 1)] = local;
   }
   __syncthreads();
+
+  // INTERVALS: the candidates' U_k, staged_row_count(H) (at most 16) at a time: h_k and the candidates' weight
+  // rows come into shared memory (over the slots, after the warps' sums) in one round trip, then weight rows
+  // g and g + 8 of lane (g, c) are candidates first + g and first + g + 8, every column of the activation
+  // tile is h_k, and column 0 is kept.
+  __shared__ float candidate_base[INTERVALS ? kTokenColumns : 1];
+  if constexpr (INTERVALS) {
+    const int g = lane >> 2, c = lane & 3, H = lm.hidden_size, stride = H + kStagedRowPadding;
+    float* warp_sums = partial;  // [kMmaWarps][4][32], over the slots (the bounds' sums are done with)
+    bf16* staged_hidden = reinterpret_cast<bf16*>(token_shared + kWarpSumBytes);
+    bf16* staged_rows = staged_hidden + H;  // [kStagedRows][stride]
+    const int staged = staged_row_count(H), pieces = H / 8;
+    if (candidate_count > 0)
+      for (int i = threadIdx.x; i < pieces; i += kTokenThreads)
+        copy_to_shared_async(staged_hidden + 8 * i, lm.hidden + static_cast<long>(k) * H + 8 * i);
+    for (int first = 0; first < candidate_count; first += staged) {
+      const int count = min(staged, candidate_count - first);
+      for (int i = threadIdx.x; i < count * pieces; i += kTokenThreads) {
+        const int j = i / pieces, piece = i - j * pieces;
+        const long v = blockIdx.x * kTokenColumns + candidates[first + j];
+        copy_to_shared_async(staged_rows + j * stride + 8 * piece, lm.weight + v * H + 8 * piece);
+      }
+      asm volatile("cp.async.wait_all;" ::: "memory");
+      __syncthreads();
+      const bool low_valid = g < count, high_valid = g + 8 < count;
+      const bf16* low_row = staged_rows + g * stride;
+      const bf16* high_row = staged_rows + (g + 8) * stride;
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+      float sums[4] = {};
+      for (int at = slice * kMmaChunk; at < H; at += kMmaWarps * kMmaChunk) {
+        const int own = at + c * (kMmaChunk / 4);  // H is a multiple of 32: the chunk is all inside
+#pragma unroll
+        for (int piece = 0; piece < kMmaPieces; ++piece) {
+          const int at_piece = own + 8 * piece;
+          const uint4 a_low = low_valid ? *reinterpret_cast<const uint4*>(low_row + at_piece) : zero;
+          const uint4 a_high = high_valid ? *reinterpret_cast<const uint4*>(high_row + at_piece) : zero;
+          tensor_gemv_multiply_piece(sums, a_low, a_high, *reinterpret_cast<const uint4*>(staged_hidden + at_piece));
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) warp_sums[(slice * 4 + i) * 32 + lane] = sums[i];
+      __syncthreads();
+      if (threadIdx.x < count) {  // row j: lane (j % 8, 0), element 0 or 2
+        const int j = threadIdx.x, from = (j % 8) * 4, i = j < 8 ? 0 : 2;
+        float total = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kMmaWarps; ++w) total += warp_sums[(w * 4 + i) * 32 + from];
+        candidate_base[first + j] = total;
+      }
+      __syncthreads();  // the staged rows and the warps' sums are free again
+    }
+  }
 
   // The candidates' exact logits, eight lanes each.
   const int group = threadIdx.x >> 3, part = threadIdx.x & 7;
@@ -531,7 +630,7 @@ __global__ void __launch_bounds__(kTokenThreads, 3)
     float total = 0.0f;
 #pragma unroll
     for (int s = 0; s < kInOutSlices; ++s) total += __shfl_sync(group_mask, sum, s, 8);
-    total += logits[v];
+    total += INTERVALS ? candidate_base[c] : logits[v];
     best = max(best, argmax_key(total, v));
   }
   if (best) atomicMax(&block_key, best);
@@ -653,24 +752,41 @@ void markov_position_forward(float* logits, unsigned long long* argmax_keys, con
 }
 
 void markov_position_tokens_forward(unsigned long long* argmax_keys, const float* logits,
-                                    const QuantizedColumnsView& w2, const float* hidden, float* hidden_logits,
-                                    int position, int rows, int gamma, int rank, int width, int vocab,
-                                    const SequentialHeadWeights& weights, const DraftControl* control,
+                                    const QuantizedColumnsView& w2, const LmHeadIntervals* lm_head, const float* hidden,
+                                    float* hidden_logits, int position, int rows, int gamma, int rank, int width,
+                                    int vocab, const SequentialHeadWeights& weights, const DraftControl* control,
                                     const SequentialHeadState& head, cudaStream_t stream) {
   check_position(position, gamma, weights);
   DSPARK_CHECK(rows == 1 && rank % kInOutSlices == 0 && rank <= kMaxTokenRank && w2.stride % 16 == 0 &&
                    w2.stride >= vocab && reinterpret_cast<uintptr_t>(w2.values) % 16 == 0,
                "Markov head (tokens only): rows ", rows, " (one), rank ", rank, " (a multiple of 8, at most ",
                kMaxTokenRank, "), stride ", w2.stride, " (a multiple of 16 covering vocab ", vocab, ")");
-  static const bool opted_in = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(markov_position_tokens_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  const int blocks = ceil_div(vocab, kTokenColumns);
+  const size_t shared_bytes = kTokenSlotBytes + sizeof(float) * rank;
+  auto prepare = [](auto kernel) {
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     int(kTokenSlotBytes + sizeof(float) * kMaxTokenRank)));
-    return true;
-  }();
-  (void)opted_in;
-  launch_dependent(markov_position_tokens_kernel, ceil_div(vocab, kTokenColumns), kTokenThreads,
-                   kTokenSlotBytes + sizeof(float) * rank, stream, argmax_keys, logits, w2, hidden, hidden_logits,
-                   position, rows, gamma, rank, width, vocab, weights, control, head);
+    int resident = 0;  // blocks a multiprocessor at the largest rank
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kTokenThreads,
+                                                             kTokenSlotBytes + sizeof(float) * kMaxTokenRank));
+    return resident * multiprocessor_count();
+  };
+  if (!lm_head) {
+    static const int resident = prepare(markov_position_tokens_kernel<false>);
+    (void)resident;
+    launch_dependent(markov_position_tokens_kernel<false>, blocks, kTokenThreads, shared_bytes, stream, argmax_keys,
+                     logits, w2, LmHeadIntervals{}, hidden, hidden_logits, position, rows, gamma, rank, width, vocab,
+                     weights, control, head);
+  } else {
+    static const int resident = prepare(markov_position_tokens_kernel<true>);
+    DSPARK_CHECK(lm_head->hidden_size % 32 == 0 && staged_row_count(lm_head->hidden_size) >= 1 && blocks <= resident,
+                 "Markov head (tokens only, LM head as intervals): hidden size ", lm_head->hidden_size,
+                 " (a multiple of 32, at most ", kMaxIntervalHidden, "), ", blocks, " blocks for vocab ", vocab,
+                 " (at most the ", resident, " that can be resident at once: the blocks meet at a grid barrier)");
+    launch_dependent(markov_position_tokens_kernel<true>, blocks, kTokenThreads, shared_bytes, stream, argmax_keys,
+                     logits, w2, *lm_head, hidden, hidden_logits, position, rows, gamma, rank, width, vocab, weights,
+                     control, head);
+  }
   CUDA_CHECK_LAUNCH();
 }
 

@@ -22,6 +22,7 @@
 #include "kernels/cuda/matmul.h"
 #include "kernels/cuda/rmsnorm.cuh"
 #include "kernels/cuda/rmsnorm.h"
+#include "kernels/cuda/tensor_gemv.cuh"
 
 namespace dspark::cuda {
 namespace {
@@ -203,10 +204,8 @@ void launch_gemv(void* out, bool out_f32, const bf16* x, const bf16* weight, con
 // (lane / 4, lane % 4), so one lane holds a feature's gate and up sums). Its
 // kMmaWarps warps split K in chunks of kMmaChunk and meet in shared memory.
 // In a chunk at k, lane (g, c) loads 32 bytes of weight rows g and g + 8 and
-// of activation row g at k + 16c, as two 16-byte pieces; both operands see K
-// in the same permuted order (an mma's k 2c, 2c+1, 2c+8, 2c+9 are elements
-// 0-3 of a piece, and the next mma's are elements 4-7), which the sum does not
-// notice. Chunks of 64 put 128 contiguous bytes of a weight row in each warp
+// of activation row g at k + 16c, as two 16-byte pieces (tensor_gemv.cuh,
+// shared with the Markov head's tokens-only kernel). Chunks of 64 put 128 contiguous bytes of a weight row in each warp
 // load (chunks of 32: 64 bytes, and the 8B decode step 12% slower in a graph;
 // 128: 45% slower). The loop is unrolled kMmaStepsInFlight chunks deep, so a
 // warp has that many chunks' loads in flight (4: the 8B step 1-4% and the
@@ -214,8 +213,6 @@ void launch_gemv(void* out, bool out_f32, const bf16* x, const bf16* weight, con
 // bits). This is the target's kernel for every step of up to
 // kRowInvariantRows rows, so the chunk fixes the order of its sums: changing it
 // changes bits.
-constexpr int kMmaWarps = 8;
-constexpr int kMmaChunk = 64;
 constexpr int kMmaStepsInFlight = 4;
 // Per count of 8-row activation tiles: the chunks a warp loads before the
 // dependency wait, and the blocks per SM ptxas is told to fit
@@ -243,15 +240,6 @@ constexpr int kMmaFewWavesMinBlocks = 3;
 constexpr int kMmaFewWavesEarlySteps = 2;
 constexpr int kMmaMaxRows = 64;
 
-__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                             uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 template <int TILES, Epilogue EPILOGUE, bool FEW_WAVES = false>
 __global__ void __launch_bounds__(kMmaWarps * 32, FEW_WAVES ? kMmaFewWavesMinBlocks : kMmaMinBlocks<TILES>)
     tensor_gemv_kernel(void* out, bool out_f32, const bf16* x, const bf16* weight, const bf16* bias, int rows, int in,
@@ -268,33 +256,13 @@ __global__ void __launch_bounds__(kMmaWarps * 32, FEW_WAVES ? kMmaFewWavesMinBlo
 #pragma unroll
   for (int t = 0; t < TILES; ++t) x_rows[t] = x + static_cast<long>(min(t * 8 + g, rows - 1)) * in;
   float sums[TILES][4] = {};
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  constexpr int kPieces = kMmaChunk / 32;  // 16-byte pieces per lane and row in a step
+  constexpr int kPieces = kMmaPieces;
   constexpr int kStride = kMmaWarps * kMmaChunk;
-  // The chunk at k: lane (g, c) owns elements k + c * kMmaChunk / 4 .. + kMmaChunk / 4
-  // of every row (all past `in`, or none: in is a multiple of 32; past it, zeros).
   auto load_weights = [&](int k, uint4(&a_low)[kPieces], uint4(&a_high)[kPieces]) {
-    const int own = k + c * (kMmaChunk / 4);
-    const bool inside = own < in;
-#pragma unroll
-    for (int piece = 0; piece < kPieces; ++piece) {
-      a_low[piece] = low_valid && inside ? __ldcs(reinterpret_cast<const uint4*>(low_row + own + 8 * piece)) : zero;
-      a_high[piece] = high_valid && inside ? __ldcs(reinterpret_cast<const uint4*>(high_row + own + 8 * piece)) : zero;
-    }
+    tensor_gemv_load(a_low, a_high, low_row, high_row, low_valid, high_valid, k, c, in);
   };
   auto multiply = [&](int k, const uint4(&a_low)[kPieces], const uint4(&a_high)[kPieces]) {
-    const int own = k + c * (kMmaChunk / 4);
-    const bool inside = own < in;
-#pragma unroll
-    for (int t = 0; t < TILES; ++t) {
-#pragma unroll
-      for (int piece = 0; piece < kPieces; ++piece) {
-        // rows past `rows` repeat the last row: their columns are never stored
-        const uint4 b = inside ? __ldg(reinterpret_cast<const uint4*>(x_rows[t] + own + 8 * piece)) : zero;
-        mma_m16n8k16(sums[t], a_low[piece].x, a_high[piece].x, a_low[piece].y, a_high[piece].y, b.x, b.y);
-        mma_m16n8k16(sums[t], a_low[piece].z, a_high[piece].z, a_low[piece].w, a_high[piece].w, b.z, b.w);
-      }
-    }
+    tensor_gemv_multiply(sums, a_low, a_high, x_rows, k, c, in);  // rows past `rows` repeat the last: never stored
   };
   // The weights are never written, so a warp's first chunks are loaded
   // before the wait: under programmatic launch they stream in while the

@@ -47,17 +47,6 @@ __global__ void add_chunks_kernel(float* out, const float* partials, int chunks,
   out[column] += total;
 }
 
-// Tree sum of a block's doubles in shared memory (blockDim.x a power of two).
-__device__ double block_sum_double(double value, double* scratch) {
-  scratch[threadIdx.x] = value;
-  __syncthreads();
-  for (int half = blockDim.x / 2; half > 0; half >>= 1) {
-    if (threadIdx.x < half) scratch[threadIdx.x] += scratch[threadIdx.x + half];
-    __syncthreads();
-  }
-  return scratch[0];
-}
-
 __global__ void __launch_bounds__(kSquareThreads) square_partials_kernel(double* partials, const float* x, long count) {
   __shared__ double scratch[kSquareThreads];
   double total = 0.0;
