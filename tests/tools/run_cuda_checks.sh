@@ -16,10 +16,11 @@ if [ -f .device/plot-runtime.tar.gz ]; then  # PNG plots: PLplot's cairo driver 
   export PLPLOT_LIB="$plot_runtime/plplot/data" FONTCONFIG_FILE="$plot_runtime/fonts/fonts.conf"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-.device/bin/dspark_cuda_tests --gtest_color=no "$@"
+# (stdbuf -oL: gtest's lines as they come, so a run cut off by a timeout still shows where it was.)
+stdbuf -oL .device/bin/dspark_cuda_tests --gtest_color=no "$@"
 # Again with ordinary launches: the kernels' programmatic-dependent-launch
 # waits must give the same results either way.
-DSPARK_PDL=0 .device/bin/dspark_cuda_tests --gtest_color=no --gtest_brief=1 "$@"
+DSPARK_PDL=0 stdbuf -oL .device/bin/dspark_cuda_tests --gtest_color=no --gtest_brief=1 "$@"
 for model in qwen3 llama; do
   .device/bin/dspark generate --device cuda -m "tests/golden/$model" -p "def add(a, b):" -n 16 --ignore-eos --json
   .device/bin/dspark perplexity --device cuda -m "tests/golden/$model" -f "tests/golden/$model/reference/perplexity.txt" --json

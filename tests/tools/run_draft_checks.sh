@@ -15,7 +15,7 @@ out="${OUT:-/tmp/draft-checks}"
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
-.device/bin/dspark_cuda_tests --gtest_color=no --gtest_filter="${1:-*}" 2>&1 | tee "$out/cuda_tests.log"
+stdbuf -oL .device/bin/dspark_cuda_tests --gtest_color=no --gtest_filter="${1:-*}" 2>&1 | tee "$out/cuda_tests.log"
 tests_status=${PIPESTATUS[0]}
 
 # The random bf16 Qwen3-8B checkpoint (written once per machine).

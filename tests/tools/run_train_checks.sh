@@ -23,7 +23,7 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
 echo "== CUDA training tests"
-.device/bin/dspark_cuda_tests --gtest_color=no --gtest_filter="${1:-CudaTrain*:*CudaLossGolden*}" 2>&1 |
+stdbuf -oL .device/bin/dspark_cuda_tests --gtest_color=no --gtest_filter="${1:-CudaTrain*:*CudaLossGolden*}" 2>&1 |
   tee "$out/cuda_train_tests.log"
 tests_status=${PIPESTATUS[0]}
 

@@ -594,13 +594,15 @@ __global__ void __launch_bounds__(kTokenThreads, 3)
       const uint4 zero = make_uint4(0, 0, 0, 0);
       float sums[4] = {};
       for (int at = slice * kMmaChunk; at < H; at += kMmaWarps * kMmaChunk) {
-        const int own = at + c * (kMmaChunk / 4);  // H is a multiple of 32: the chunk is all inside
+        const int own = at + c * (kMmaChunk / 4);  // a lane's 16 elements: all inside H or none (as in the GEMV)
+        const bool inside = own < H;
 #pragma unroll
         for (int piece = 0; piece < kMmaPieces; ++piece) {
           const int at_piece = own + 8 * piece;
-          const uint4 a_low = low_valid ? *reinterpret_cast<const uint4*>(low_row + at_piece) : zero;
-          const uint4 a_high = high_valid ? *reinterpret_cast<const uint4*>(high_row + at_piece) : zero;
-          tensor_gemv_multiply_piece(sums, a_low, a_high, *reinterpret_cast<const uint4*>(staged_hidden + at_piece));
+          const uint4 a_low = low_valid && inside ? *reinterpret_cast<const uint4*>(low_row + at_piece) : zero;
+          const uint4 a_high = high_valid && inside ? *reinterpret_cast<const uint4*>(high_row + at_piece) : zero;
+          const uint4 b = inside ? *reinterpret_cast<const uint4*>(staged_hidden + at_piece) : zero;
+          tensor_gemv_multiply_piece(sums, a_low, a_high, b);
         }
       }
 #pragma unroll

@@ -134,19 +134,20 @@ __global__ void __launch_bounds__(kProductWarps * 32, 2)
   const int8_t* second = x.values + static_cast<long>(kQuantizedActivationRows + g) * length;
   constexpr int kStride = kProductWarps * kProductChunk;
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  // Piece p of the chunk at k: bytes k + 32c + 16p (length is a multiple of 32: all inside or none).
+  // Piece p of the chunk at k: bytes k + 32c + 16p (length is a multiple of 32: a piece is all inside or none).
   auto load = [&](const int8_t* row, bool valid, int k, int p) {
     const int own = k + 32 * c + 16 * p;
     return valid && own < length ? __ldcs(reinterpret_cast<const uint4*>(row + own)) : zero;
   };
   int sums[2][4] = {};
+  // Every lane runs every mma (mma.sync.aligned: the whole warp, converged); past the row, on zeros.
   auto multiply = [&](int k, const uint4(&a_low)[2], const uint4(&a_high)[2]) {
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
       const int own = k + 32 * c + 16 * p;
-      if (own >= length) continue;
-      const uint4 b1 = __ldg(reinterpret_cast<const uint4*>(first + own));
-      const uint4 b2 = __ldg(reinterpret_cast<const uint4*>(second + own));
+      const bool inside = own < length;
+      const uint4 b1 = inside ? __ldg(reinterpret_cast<const uint4*>(first + own)) : zero;
+      const uint4 b2 = inside ? __ldg(reinterpret_cast<const uint4*>(second + own)) : zero;
       mma_m16n8k32_s8(sums[0], a_low[p].x, a_high[p].x, a_low[p].y, a_high[p].y, b1.x, b1.y);
       mma_m16n8k32_s8(sums[0], a_low[p].z, a_high[p].z, a_low[p].w, a_high[p].w, b1.z, b1.w);
       mma_m16n8k32_s8(sums[1], a_low[p].x, a_high[p].x, a_low[p].y, a_high[p].y, b2.x, b2.y);
