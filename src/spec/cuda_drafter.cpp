@@ -875,9 +875,9 @@ void CudaDrafter::run_step(int rows, StepKind step) {
   cuda::matmul_forward(head_input_.data(), cuda::MatmulOutput::BF16, normed_.data(), out_projection_.data(), nullptr, R,
                        d, H, s, kAnyKernel);
   p.mark("out_proj gemm", s);
-  const cuda::QuantizedActivations activations{activation_values_.data(), activation_scales_.data(),
-                                               activation_norms_.data()};
   if (lm_head_intervals) {  // logits_ [γ, V]: the centers of U_k's intervals
+    const cuda::QuantizedActivations activations{activation_values_.data(), activation_scales_.data(),
+                                                 activation_norms_.data()};
     cuda::quantize_activation_rows_forward(activations, head_input_.data(), R, H, s);
     cuda::quantized_rows_product_forward(logits_.data(), lm_head_quantized(), activations, R, H, V, s);
     p.mark("lm head 8-bit", s);

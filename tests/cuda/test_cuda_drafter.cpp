@@ -354,7 +354,8 @@ void check_markov_heads(const std::vector<MarkovCase>& cases) {
     const int H = test.H;
     DeviceBuffer<bf16> lm_head(size_t(V) * H), lm_hidden = to_device_bf16(random_values(gamma * H, 800));
     DeviceBuffer<int8_t> lm_values(size_t(V) * H), activation_values(2 * cuda::kQuantizedActivationRows * H);
-    DeviceBuffer<float> lm_scales(V), lm_bounds(V), lm_norms(V), activation_scales(8), activation_norms(16);
+    DeviceBuffer<float> lm_scales(V), lm_bounds(V), lm_norms(V), activation_scales(cuda::kQuantizedActivationRows),
+        activation_norms(2 * cuda::kQuantizedActivationRows);
     DeviceBuffer<float> centers(size_t(gamma) * V);
     DeviceBuffer<unsigned> lower_keys(gamma);
     const cuda::QuantizedRows lm_rows{lm_values.data(), lm_scales.data(), lm_bounds.data(), lm_norms.data()};
@@ -372,14 +373,11 @@ void check_markov_heads(const std::vector<MarkovCase>& cases) {
     if (H > 0) {
       std::vector<uint16_t> bits(size_t(V) * H);
       uint32_t state = 12345u + uint32_t(H);
-      for (size_t i = 0; i < size_t(7) * H; ++i) {  // xorshift32: uniform in +-lm_scale
+      const size_t first_rows = size_t(7) * H;    // ties: every later row repeats one of these
+      for (size_t i = 0; i < bits.size(); ++i) {  // xorshift32: uniform in +-lm_scale
         state ^= state << 13, state ^= state >> 17, state ^= state << 5;
-        bits[i] = f32_to_bf16(test.lm_scale * float(2.0 * (state / 4294967296.0) - 1.0));
-      }
-      for (size_t i = size_t(7) * H; i < bits.size(); ++i) {
-        state ^= state << 13, state ^= state >> 17, state ^= state << 5;
-        bits[i] = test.ties ? bits[i % (size_t(7) * H)]
-                            : f32_to_bf16(test.lm_scale * float(2.0 * (state / 4294967296.0) - 1.0));
+        bits[i] = test.ties && i >= first_rows ? bits[i % first_rows]
+                                               : f32_to_bf16(test.lm_scale * float(2.0 * (state / 4294967296.0) - 1.0));
       }
       CUDA_CHECK(cudaMemcpy(lm_head.data(), bits.data(), lm_head.bytes(), cudaMemcpyHostToDevice));
       DeviceBuffer<float> u(size_t(gamma) * V);
@@ -397,7 +395,8 @@ void check_markov_heads(const std::vector<MarkovCase>& cases) {
       for (int k = 0; k < gamma; ++k)
         for (int v = 0; v < V; ++v) {
           const size_t i = size_t(k) * V + v;
-          const double reach = double(activation_norm[k]) * bound[v] + double(activation_norm[8 + k]) * norm[v];
+          const double reach = double(activation_norm[k]) * bound[v] +
+                               double(activation_norm[cuda::kQuantizedActivationRows + k]) * norm[v];
           outside += std::fabs(double(lm_logits[i]) - center[i]) > reach;
           widest = std::max(widest, reach);
           spread = std::max(spread, std::fabs(double(lm_logits[i])));

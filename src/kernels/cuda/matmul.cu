@@ -205,8 +205,9 @@ void launch_gemv(void* out, bool out_f32, const bf16* x, const bf16* weight, con
 // kMmaWarps warps split K in chunks of kMmaChunk and meet in shared memory.
 // In a chunk at k, lane (g, c) loads 32 bytes of weight rows g and g + 8 and
 // of activation row g at k + 16c, as two 16-byte pieces (tensor_gemv.cuh,
-// shared with the Markov head's tokens-only kernel). Chunks of 64 put 128 contiguous bytes of a weight row in each warp
-// load (chunks of 32: 64 bytes, and the 8B decode step 12% slower in a graph;
+// shared with the Markov head's tokens-only kernel). Chunks of 64 put 128
+// contiguous bytes of a weight row in each warp load (chunks of 32: 64 bytes,
+// and the 8B decode step 12% slower in a graph;
 // 128: 45% slower). The loop is unrolled kMmaStepsInFlight chunks deep, so a
 // warp has that many chunks' loads in flight (4: the 8B step 1-4% and the
 // 1.7B step 5% faster than 2; unrolling keeps each sum's order, and so its
@@ -256,12 +257,11 @@ __global__ void __launch_bounds__(kMmaWarps * 32, FEW_WAVES ? kMmaFewWavesMinBlo
 #pragma unroll
   for (int t = 0; t < TILES; ++t) x_rows[t] = x + static_cast<long>(min(t * 8 + g, rows - 1)) * in;
   float sums[TILES][4] = {};
-  constexpr int kPieces = kMmaPieces;
   constexpr int kStride = kMmaWarps * kMmaChunk;
-  auto load_weights = [&](int k, uint4(&a_low)[kPieces], uint4(&a_high)[kPieces]) {
+  auto load_weights = [&](int k, uint4(&a_low)[kMmaPieces], uint4(&a_high)[kMmaPieces]) {
     tensor_gemv_load(a_low, a_high, low_row, high_row, low_valid, high_valid, k, c, in);
   };
-  auto multiply = [&](int k, const uint4(&a_low)[kPieces], const uint4(&a_high)[kPieces]) {
+  auto multiply = [&](int k, const uint4(&a_low)[kMmaPieces], const uint4(&a_high)[kMmaPieces]) {
     tensor_gemv_multiply(sums, a_low, a_high, x_rows, k, c, in);  // rows past `rows` repeat the last: never stored
   };
   // The weights are never written, so a warp's first chunks are loaded
@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, FEW_WAVES ? kMmaFewWavesMinBlo
   // order: the same bits.
   constexpr int kEarlySteps = FEW_WAVES ? kMmaFewWavesEarlySteps : kMmaEarlySteps<TILES>;
   const int first_k = warp * kMmaChunk;
-  uint4 early_low[kEarlySteps + 1][kPieces], early_high[kEarlySteps + 1][kPieces];  // (+1: no empty arrays)
+  uint4 early_low[kEarlySteps + 1][kMmaPieces], early_high[kEarlySteps + 1][kMmaPieces];  // (+1: no empty arrays)
 #pragma unroll
   for (int step = 0; step < kEarlySteps; ++step)
     if (first_k + step * kStride < in) load_weights(first_k + step * kStride, early_low[step], early_high[step]);
@@ -282,7 +282,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, FEW_WAVES ? kMmaFewWavesMinBlo
     if (first_k + step * kStride < in) multiply(first_k + step * kStride, early_low[step], early_high[step]);
 #pragma unroll(kMmaStepsInFlight)
   for (int k = first_k + kEarlySteps * kStride; k < in; k += kStride) {
-    uint4 a_low[kPieces], a_high[kPieces];
+    uint4 a_low[kMmaPieces], a_high[kMmaPieces];
     load_weights(k, a_low, a_high);
     multiply(k, a_low, a_high);
   }

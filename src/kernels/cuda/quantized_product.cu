@@ -4,6 +4,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/quantized_product.h"
+#include "kernels/cuda/tensor_gemv.cuh"
 
 namespace dspark::cuda {
 namespace {
@@ -98,16 +99,6 @@ __global__ void __launch_bounds__(kQuantizeThreads)
     out.norms[k] = finite ? rounded_up(norm) : INFINITY;
     out.norms[kQuantizedActivationRows + k] = finite ? rounded_up(residual) : INFINITY;
   }
-}
-
-// mma.sync m16n8k32, 8-bit signed operands, exact int32 accumulation.
-__device__ __forceinline__ void mma_m16n8k32_s8(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                                uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // The product: as the tensor-core GEMV (tensor_gemv.cuh) at one tile of 8

@@ -1,4 +1,5 @@
-// The tensor-core GEMV's chunk (matmul.cu's tensor_gemv_kernel, the target's
+// The tensor-core mma wrappers (bf16, and 8-bit for quantized_product.cu) and
+// the tensor-core GEMV's chunk (matmul.cu's tensor_gemv_kernel, the target's
 // product for up to 16 rows and the drafter's LM head): how a warp loads and
 // multiplies one chunk of K. Shared with the Markov head's tokens-only kernel,
 // which forms a few of the LM head's logits again and must get their bits:
@@ -27,6 +28,16 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], uint32_t a0, uint32_
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// mma.sync m16n8k32, 8-bit signed operands, exact int32 accumulation.
+__device__ __forceinline__ void mma_m16n8k32_s8(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
