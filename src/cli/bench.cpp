@@ -513,7 +513,8 @@ struct BenchDraftFlags {
   // one exact logit per block, fewer than a trained head's.
   float markov_w2_std = 0.0f;
   bool full_head = false;          // greedy steps form every logit (CudaDrafter::use_quantized_head(false))
-  bool quantized_lm_head = false;  // ... and the LM head at 8 bits (CudaDrafter::use_quantized_lm_head; experimental)
+  bool full_lm_head = false;       // ... and the LM head's full product (CudaDrafter::use_quantized_lm_head(false))
+  bool per_position_head = false;  // the head's positions one launch each (CudaDrafter::use_one_launch_head(false))
   int batch = 1;
   int context = 512;
   int runs = 50;
@@ -564,7 +565,8 @@ void run_bench_draft(const BenchDraftFlags& flags) {
                "step in the target's context of ", c.max_positions);
   CudaDrafter gpu(drafter, head);
   gpu.use_quantized_head(!flags.full_head);
-  gpu.use_quantized_lm_head(flags.quantized_lm_head);
+  gpu.use_quantized_lm_head(!flags.full_lm_head);
+  gpu.use_one_launch_head(!flags.per_position_head);
   drafter = Drafter{};  // uploaded: the host copy is no longer needed
 
   // B requests, each with `context` rows of tapped features (random: the
@@ -654,7 +656,8 @@ void run_bench_draft(const BenchDraftFlags& flags) {
               {"seq_head", config.seq_head},
               {"markov_w2_std", flags.markov_w2_std},
               {"full_head", flags.full_head},
-              {"quantized_lm_head", flags.quantized_lm_head},
+              {"full_lm_head", flags.full_lm_head},
+              {"per_position_head", flags.per_position_head},
               {"gamma", gamma},
               {"d_draft", config.d_draft},
               {"layers", config.num_layers},
@@ -769,9 +772,12 @@ void add_bench_command(CLI::App& app) {
   draft->add_flag("--full-head", draft_flags->full_head,
                   "greedy steps form every logit of the Markov head (not w2 at 8 bits and the exact logit only "
                   "where the argmax can be)");
-  draft->add_flag("--quantized-lm-head", draft_flags->quantized_lm_head,
-                  "experimental: those steps also read the LM head at 8 bits and form its exact logit only where "
-                  "the argmax can be (its CUDA test does not pass yet: docs/PERF.md, stop 36)");
+  draft->add_flag("--full-lm-head", draft_flags->full_lm_head,
+                  "greedy steps of one row form every logit of the LM head (not its rows at 8 bits and the exact "
+                  "logit only where the argmax can be)");
+  draft->add_flag("--per-position-head", draft_flags->per_position_head,
+                  "the sequential head's positions one launch each (not the whole head in one launch where its "
+                  "weights fit on chip)");
   draft->add_option("--batch", draft_flags->batch, "requests drafted (and decoded) together")->capture_default_str()
       ->check(CLI::Range(1, 256));
   draft->add_option("--context", draft_flags->context, "context rows per request")->capture_default_str()

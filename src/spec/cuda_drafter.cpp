@@ -219,6 +219,7 @@ CudaDrafter::CudaDrafter(const Drafter& drafter, const CudaTargetHead& head)
   CUDA_CHECK(cudaEventCreateWithFlags(&device_staged_written_, cudaEventDisableTiming));
   CUDA_CHECK(cudaEventCreateWithFlags(&device_staged_read_, cudaEventDisableTiming));
   ensure_rows(1);
+  use_quantized_lm_head(true);
 }
 
 CudaDrafter::~CudaDrafter() {
@@ -274,7 +275,6 @@ void CudaDrafter::use_quantized_lm_head(bool on) {
   activation_values_.resize(size_t(2) * cuda::kQuantizedActivationRows * H);
   activation_scales_.resize(cuda::kQuantizedActivationRows);
   activation_norms_.resize(2 * cuda::kQuantizedActivationRows);
-  lower_keys_.resize(config_.gamma);
   CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
@@ -624,6 +624,7 @@ void CudaDrafter::ensure_rows(int rows) {
   alive_.resize(M);
   alive_rows_.resize(c.gamma);
   argmax_keys_.resize(size_t(c.gamma) * M);
+  lower_keys_.resize(c.gamma + 1);
   long partial_rows = 0;  // (row, head, split) triples of the largest bucket's attention
   for (int bucket = 1; bucket <= rows; bucket *= 2)
     partial_rows = std::max(partial_rows, long(bucket) * c.num_heads * attention_splits(bucket));
@@ -828,7 +829,7 @@ void CudaDrafter::run_step(int rows, StepKind step) {
   p.mark("start", s);
   CUDA_CHECK(cudaMemsetAsync(alive_rows_.data(), 0, alive_rows_.bytes(), s));
   if (greedy) CUDA_CHECK(cudaMemsetAsync(argmax_keys_.data(), 0, size_t(gamma) * B * sizeof(unsigned long long), s));
-  if (lm_head_intervals) CUDA_CHECK(cudaMemsetAsync(lower_keys_.data(), 0, lower_keys_.bytes(), s));
+  if (tokens_only) CUDA_CHECK(cudaMemsetAsync(lower_keys_.data(), 0, lower_keys_.bytes(), s));
 
   // Block rows: row 0 = E[anchor] @ tok_proj + block_pos[0]; row k = mask_emb[k-1] + block_pos[k].
   cuda::gather_rows_forward(anchor_rows_.data(), head_.embedding, anchors, B, H, s);
@@ -916,6 +917,16 @@ void CudaDrafter::run_step(int rows, StepKind step) {
                                         H,
                                         lower_keys_.data(),
                                         head_barrier_.data()};
+  // The tokens-only head's positions in one launch where w2's 8-bit columns fit on chip (Qwen3-8B's vocabulary
+  // on a 132-multiprocessor device): w2 read once a step, not once a position.
+  if (tokens_only && one_launch_head_ &&
+      cuda::markov_head_tokens_supported(r, V, quantized_stride_, lm_head_intervals ? H : 0)) {
+    cuda::markov_head_tokens_forward(argmax_keys_.data(), logits_.data(), quantized,
+                                     lm_head_intervals ? &intervals : nullptr, hidden_.data(), hidden_logits_.data(),
+                                     gamma, r, d, V, weights, control, head, lower_keys_.data() + gamma, s);
+    p.mark("markov head tokens", s);
+    return;
+  }
   for (int k = 0; k < gamma; ++k) {
     float* logits = logits_.data() + long(k) * B * V;
     const int32_t* any_alive = alive_rows_.data() + k;

@@ -137,17 +137,17 @@ class CudaDrafter {
   void enable_step_timing(bool on);
   float last_step_milliseconds() const;
   // Greedy Markov drafting runs its head in one launch where w2 fits on chip
-  // (markov_head_forward); off, it takes the per-position kernels there too
-  // (tests: both give the same bits).
+  // (markov_head_forward), and so do greedy tokens-only steps of one row
+  // where w2's 8-bit columns do (markov_head_tokens_forward); off, they take
+  // the per-position kernels there too (tests: both give the same bits).
   void use_one_launch_head(bool on);
   // Greedy Markov steps of one row that return no logits read w2 at
   // 8 bits and form the exact logit only where the argmax can be; off, they
   // form every logit (benchmarks: both give the same tokens).
   void use_quantized_head(bool on);
-  // Experimental, off by default (its CUDA test does not yet pass: docs/PERF.md, stop 36): those steps also
-  // read the target's LM head at 8 bits (kernels/cuda/quantized_product.h), from a copy made when first
-  // switched on, and form its logits only where the argmax can be; off, they run its product over the whole
-  // vocabulary.
+  // On by default: those steps also read the target's LM head at 8 bits (kernels/cuda/quantized_product.h),
+  // from a copy made when first switched on (622 MB at Qwen3-8B's shape), and form its logits only where the
+  // argmax can be; off, they run its product over the whole vocabulary (tests: the same tokens).
   void use_quantized_lm_head(bool on);
 
  private:
@@ -244,7 +244,6 @@ class CudaDrafter {
   cuda::DeviceBuffer<float> lm_head_scales_, lm_head_bounds_, lm_head_norms_;  // [V]
   cuda::DeviceBuffer<int8_t> activation_values_;                    // [2, 8, H] the LM head's input h_k, two levels
   cuda::DeviceBuffer<float> activation_scales_, activation_norms_;  // [8], [2, 8]
-  cuda::DeviceBuffer<unsigned> lower_keys_;                         // [γ] zeroed each step
   cuda::DeviceBuffer<float> recurrent_, recurrent_bias_;           // rnn.wH [r, r], bH [r] / gru.wJ [2r+d, 3r], bJ [3r]
   cuda::DeviceBuffer<float> confidence_weight_, confidence_bias_;  // [d + r], [1]
   cuda::DeviceBuffer<float> token_confidence_;                     // [V] w1[v] . conf.w[d:] (Markov head)
@@ -286,6 +285,8 @@ class CudaDrafter {
   cuda::DeviceBuffer<int32_t> results_;  // tokens [γ, B], confidence [γ, B] (f32 bits), count [B]
   cuda::DeviceBuffer<int32_t> alive_, alive_rows_;
   cuda::DeviceBuffer<unsigned long long> argmax_keys_;  // [γ, B] greedy token selection
+  cuda::DeviceBuffer<unsigned> lower_keys_;  // [γ + 1] the intervals' best lower ends, then the one-launch tokens
+                                             // head's barrier counter; zeroed each step
   cuda::DeviceBuffer<unsigned> counters_;
   cuda::DeviceBuffer<unsigned> norm_counter_;  // the fused GEMV + norm's block count, 0 between launches
   cuda::DeviceBuffer<unsigned> head_barrier_;  // the one-launch Markov head's grid barrier (arrived, generation)

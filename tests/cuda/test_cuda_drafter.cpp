@@ -26,6 +26,7 @@
 #include "kernels/cpu/sampling.h"
 #include "kernels/cuda/activation.h"
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/device.h"
 #include "kernels/cuda/draft.h"
 #include "kernels/cuda/matmul.h"
 #include "kernels/cuda/quantized_product.h"
@@ -314,7 +315,15 @@ TEST(CudaDraftOps, SequentialHeadPrepareConfidenceAndPruning) {
 }
 
 enum class Floor { None, Between, Above };  // none; between row 0's confidences; above every confidence
-enum class Head { Reference, PerPosition, OneLaunch, TokensOnly, TokensOnlyIntervals };
+enum class Head {
+  Reference,
+  PerPosition,
+  OneLaunch,
+  TokensOnly,
+  TokensOnlyIntervals,
+  TokensOneLaunch,
+  TokensOneLaunchIntervals
+};
 struct MarkovCase {
   int B, r, V;
   Floor floor;
@@ -329,7 +338,12 @@ void check_markov_heads(const std::vector<MarkovCase>& cases) {
   const int gamma = 7, d = 40;
   DeviceBuffer<unsigned> barrier(2);  // zeroed once: every launch leaves it ready for the next
   CUDA_CHECK(cudaMemset(barrier.data(), 0, barrier.bytes()));
+  DeviceBuffer<unsigned> meetings(1);  // the one-launch tokens head's barrier counter, zeroed before each launch
   EXPECT_FALSE(cuda::markov_head_supported(1, gamma, 256, 151936, nullptr)) << "Qwen3-8B's w2 does not fit on chip";
+  if (cuda::multiprocessor_count() >= 132) {
+    EXPECT_TRUE(cuda::markov_head_tokens_supported(256, 151936, 151936, 0)) << "Qwen3-8B's w2 fits at 8 bits";
+    EXPECT_TRUE(cuda::markov_head_tokens_supported(256, 151936, 151936, 4096)) << "... with its LM head's scratch";
+  }
   for (const MarkovCase& test : cases) {
     const int B = test.B, r = test.r, V = test.V;
     const std::string what = "B " + std::to_string(B) + " r " + std::to_string(r) + " V " + std::to_string(V);
@@ -453,23 +467,29 @@ void check_markov_heads(const std::vector<MarkovCase>& cases) {
       const cuda::SequentialHeadState head{anchors_device.data(), limits_device.data(), tokens.data(),
                                            greedy_keys,           confidence.data(),    alive.data(),
                                            count.data(),          alive_rows.data()};
-      if (kind == Head::OneLaunch) {
+      const bool intervals_kind = kind == Head::TokensOnlyIntervals || kind == Head::TokensOneLaunchIntervals;
+      if (intervals_kind) {  // U_k's intervals (the logits are not read)
+        CUDA_CHECK(cudaMemset(lower_keys.data(), 0, lower_keys.bytes()));
+        CUDA_CHECK(cudaMemset(logits.data(), 0xff, logits.bytes()));
+        cuda::quantize_activation_rows_forward(activations, lm_hidden.data(), gamma, H, nullptr);
+        cuda::quantized_rows_product_forward(centers.data(), lm_rows, activations, gamma, H, V, nullptr);
+      }
+      if (kind == Head::TokensOneLaunch || kind == Head::TokensOneLaunchIntervals) {
+        CUDA_CHECK(cudaMemset(meetings.data(), 0, meetings.bytes()));
+        cuda::markov_head_tokens_forward(
+            keys.data(), logits.data(), quantized_view, intervals_kind ? &intervals : nullptr, hidden_device.data(),
+            hidden_logits.data(), gamma, r, d, V, weights, control_device.data(), head, meetings.data(), nullptr);
+      } else if (kind == Head::OneLaunch) {
         cuda::markov_head_forward(logits.data(), keys.data(), w2_device.data(), hidden_device.data(), B, gamma, r, d, V,
                                   weights, control_device.data(), head, barrier.data(), nullptr);
       } else {
         for (int k = 0; k < gamma; ++k) {
           float* position_logits = logits.data() + size_t(k) * B * V;
           if (kind == Head::TokensOnly || kind == Head::TokensOnlyIntervals) {
-            if (kind == Head::TokensOnlyIntervals && k == 0) {  // U_k's intervals (the logits are not read)
-              CUDA_CHECK(cudaMemset(lower_keys.data(), 0, lower_keys.bytes()));
-              CUDA_CHECK(cudaMemset(logits.data(), 0xff, logits.bytes()));
-              cuda::quantize_activation_rows_forward(activations, lm_hidden.data(), gamma, H, nullptr);
-              cuda::quantized_rows_product_forward(centers.data(), lm_rows, activations, gamma, H, V, nullptr);
-            }
             cuda::markov_position_tokens_forward(keys.data(), position_logits, quantized_view,
-                                                 kind == Head::TokensOnlyIntervals ? &intervals : nullptr,
-                                                 hidden_device.data(), hidden_logits.data(), k, B, gamma, r, d, V,
-                                                 weights, control_device.data(), head, nullptr);
+                                                 intervals_kind ? &intervals : nullptr, hidden_device.data(),
+                                                 hidden_logits.data(), k, B, gamma, r, d, V, weights,
+                                                 control_device.data(), head, nullptr);
             continue;
           }
           if (kind == Head::PerPosition) {
@@ -511,15 +531,23 @@ void check_markov_heads(const std::vector<MarkovCase>& cases) {
       } else if (test.floor == Floor::Between && greedy) {  // (the sampled tokens give other confidences)
         EXPECT_LT(expected.count[0], gamma) << what << ": the floor prunes nothing (the case tests less than it says)";
       }
-      for (const Head kind : {Head::PerPosition, Head::OneLaunch, Head::TokensOnly, Head::TokensOnlyIntervals}) {
+      for (const Head kind : {Head::PerPosition, Head::OneLaunch, Head::TokensOnly, Head::TokensOnlyIntervals,
+                              Head::TokensOneLaunch, Head::TokensOneLaunchIntervals}) {
+        const bool tokens_kind = kind != Head::PerPosition && kind != Head::OneLaunch;
+        const bool intervals_kind = kind == Head::TokensOnlyIntervals || kind == Head::TokensOneLaunchIntervals;
+        const bool one_launch_kind = kind == Head::TokensOneLaunch || kind == Head::TokensOneLaunchIntervals;
         if (kind == Head::OneLaunch && (!greedy || !on_chip)) continue;
-        if (kind == Head::TokensOnly && (!greedy || !tokens_only)) continue;
-        if (kind == Head::TokensOnlyIntervals && (!greedy || H == 0)) continue;
+        if (tokens_kind && (!greedy || !tokens_only)) continue;
+        if (intervals_kind && H == 0) continue;
+        if (one_launch_kind && !cuda::markov_head_tokens_supported(r, V, quantized.stride, intervals_kind ? H : 0))
+          continue;
         const std::string how = what + " H " + std::to_string(H) +
-                                (kind == Head::OneLaunch             ? " one launch"
-                                 : kind == Head::TokensOnly          ? " tokens only"
-                                 : kind == Head::TokensOnlyIntervals ? " tokens only, U as intervals"
-                                                                     : " per position") +
+                                (kind == Head::OneLaunch                  ? " one launch"
+                                 : kind == Head::TokensOnly               ? " tokens only"
+                                 : kind == Head::TokensOnlyIntervals      ? " tokens only, U as intervals"
+                                 : kind == Head::TokensOneLaunch          ? " tokens only in one launch"
+                                 : kind == Head::TokensOneLaunchIntervals ? " tokens only in one launch, U as intervals"
+                                                                          : " per position") +
                                 (greedy ? " greedy" : " sampled");
         const Outputs got = run(kind, greedy), again = run(kind, greedy);
         EXPECT_TRUE(std::memcmp(again.logits.data(), got.logits.data(), got.logits.size() * sizeof(float)) == 0 &&
@@ -532,7 +560,7 @@ void check_markov_heads(const std::vector<MarkovCase>& cases) {
             const size_t slot = size_t(k) * B + b;
             EXPECT_NEAR(got.confidence[slot], expected.confidence[slot], 1e-5) << how << " slot " << slot;
             EXPECT_EQ(got.tokens[slot], expected.tokens[slot]) << how << " slot " << slot;
-            if (kind == Head::TokensOnly || kind == Head::TokensOnlyIntervals) continue;  // it writes no logits
+            if (tokens_kind) continue;  // it writes no logits
             EXPECT_TRUE(std::equal(got.logits.begin() + slot * V, got.logits.begin() + (slot + 1) * V,
                                    expected.logits.begin() + slot * V))
                 << how << ": logits differ at slot " << slot;
@@ -550,9 +578,10 @@ TEST(CudaDraftOps, MarkovHeadKernelsEqualThePrepareAndProductKernels) {
   // at every (row, position) kept; confidences up to their dot product's order. Qwen3-8B's vocabulary at rank 64
   // (on chip) and 256 (per position only), the demo drafter's shape, small ones, a vocabulary not a multiple of 8
   // (per position only, weights read one by one), row groups of 1, 2, 4 and 8 (10 = 8 + 2, the second all padding),
-  // a padding row, pruning, every row pruned. markov_position_tokens_forward (greedy, one row): the same
-  // counts, alive rows, confidences and tokens, with w2 large against U (many columns given the exact product),
-  // small (few), and columns repeating every 7 (exact ties everywhere: the lowest index wins).
+  // a padding row, pruning, every row pruned. markov_position_tokens_forward (greedy, one row) and
+  // markov_head_tokens_forward (the same in one launch, w2's 8-bit columns on chip): the same counts, alive rows,
+  // confidences and tokens, with w2 large against U (many columns given the exact product), small (few), and
+  // columns repeating every 7 (exact ties everywhere: the lowest index wins).
   check_markov_heads({MarkovCase{1, 64, 151936, Floor::None}, MarkovCase{1, 256, 151936, Floor::Between},
                       MarkovCase{1, 64, 8192, Floor::None}, MarkovCase{2, 128, 50000, Floor::Between},
                       MarkovCase{3, 16, 1000, Floor::None}, MarkovCase{6, 64, 8192, Floor::Between},
@@ -562,14 +591,9 @@ TEST(CudaDraftOps, MarkovHeadKernelsEqualThePrepareAndProductKernels) {
                       MarkovCase{1, 8, 1000, Floor::Between, 0.2f, true}, MarkovCase{1, 16, 1001, Floor::None}});
 }
 
-// Disabled until a device run passes it: on an H100 (stop 36) the third case (H 64, V 1001) did not finish.
-// The likely cause, fixed since without a device to confirm: quantized_rows_product_kernel skipped its mma in
-// the lanes past a row of 64, and an mma.sync.aligned the warp does not run together is undefined (docs/PERF.md,
-// stop 36). CudaDrafter keeps the LM head as intervals off by default meanwhile. Run with
-// --gtest_also_run_disabled_tests.
-TEST(CudaDraftOps, DISABLED_MarkovTokensHeadWithTheLmHeadAsIntervals) {
+TEST(CudaDraftOps, MarkovTokensHeadWithTheLmHeadAsIntervals) {
   // Cases with an LM head (H > 0: U = h @ lm_head by the LM head's GEMV): every head as above, and the tokens-only
-  // head with U as intervals from the LM head's 8-bit rows (quantized_product.h), which first must hold U: Qwen3-8B's
+  // heads with U as intervals from the LM head's 8-bit rows (quantized_product.h), which first must hold U: Qwen3-8B's
   // shape with U large and small against e_k @ w2, small shapes (H 96: a chunk of 64 half past the row), and ties
   // (more candidates a block than its shared memory stages at once).
   check_markov_heads({MarkovCase{1, 256, 151936, Floor::Between, 1.0f, false, 4096, 1.0f},

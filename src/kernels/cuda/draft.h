@@ -146,6 +146,24 @@ void markov_head_forward(float* logits, unsigned long long* argmax_keys, const _
                          const DraftControl* control, const SequentialHeadState& head, unsigned* barrier,
                          cudaStream_t stream);
 
+// markov_position_tokens_forward for every position of a greedy step of one
+// row in one persistent launch, and the tokens: head.tokens [γ] from
+// argmax_keys [γ] (zeroed before, as lm_head->lower_keys). w2's 8-bit
+// columns are read once a step and kept on chip (one block a multiprocessor,
+// each with its share of the vocabulary); the blocks meet at a grid barrier
+// after each position (and, with lm_head, once before each position's exact
+// logits). The same keys and tokens, bit for bit, as the per-position kernels.
+// counter: one unsigned, zeroed before each launch. Supported
+// (markov_head_tokens_supported, hidden_size 0 without lm_head): r a multiple
+// of 8 and each block's share of w2 and its scratch on chip: Qwen3-8B's
+// vocabulary (39 MB at r 256) on a device of 132 multiprocessors.
+bool markov_head_tokens_supported(int rank, int vocab, int stride, int hidden_size);
+void markov_head_tokens_forward(unsigned long long* argmax_keys, const float* logits, const QuantizedColumnsView& w2,
+                                const LmHeadIntervals* lm_head, const float* hidden, float* hidden_logits, int gamma,
+                                int rank, int width, int vocab, const SequentialHeadWeights& weights,
+                                const DraftControl* control, const SequentialHeadState& head, unsigned* counter,
+                                cudaStream_t stream);
+
 // The recurrent state update after the recurrent matmul, for every row:
 // RNN: state = tanh(pre + e) (pre = s @ wH + bH, [B, r]);
 // GRU: g, c, o = split3(pre) (pre = z @ wJ + bJ, [B, 3r]); keep = σ(g);

@@ -1,6 +1,10 @@
 // The Markov head's kernels (draft.h): one launch per position for any
 // vocabulary (markov_position_forward, at the end of the file), and the greedy
-// head of a whole draft step in one persistent launch (markov_head_forward).
+// head of a whole draft step in one persistent launch (markov_head_forward);
+// for greedy steps that return tokens only, the same two ways with w2 at 8
+// bits (markov_position_tokens_forward, markov_head_tokens_forward: at
+// Qwen3-8B's vocabulary w2's 8-bit columns fit on chip where its bf16 ones
+// do not).
 //
 // Why one launch: position k needs x_{k-1}, the argmax of the whole
 // vocabulary at k-1, so the per-position kernels launch a prepare and a
@@ -101,6 +105,29 @@ __device__ __forceinline__ void grid_barrier(unsigned* arrived, unsigned* genera
         asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(generation) : "memory");
         if (now == current && global_nanoseconds() - start > kBarrierPatienceNanoseconds) __trap();
       } while (now == current);
+    }
+  }
+  __syncthreads();
+}
+
+// Every block waits here until all blocks have arrived `times` times in all:
+// a counter zeroed before the launch, to which each block adds 1 at each
+// barrier. No round trip to arrive (grid_barrier's ticket is an atomic that
+// returns, after a load of the generation: about 2 us more a barrier at 132
+// blocks, which a kernel meeting 14 times a step pays in full). Same watchdog.
+__device__ __forceinline__ void counted_grid_barrier(unsigned* counter, unsigned times) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned target = times * gridDim.x;
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+    unsigned now;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(counter) : "memory");
+    if (now < target) {
+      const unsigned long long start = global_nanoseconds();
+      do {
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(counter) : "memory");
+        if (now < target && global_nanoseconds() - start > kBarrierPatienceNanoseconds) __trap();
+      } while (now < target);
     }
   }
   __syncthreads();
@@ -318,20 +345,37 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <int ROWS>
 constexpr int kPositionBlocks = ROWS <= 2 ? 5 : 1;  // blocks a multiprocessor at least
 
-// What every block of position k's kernels (markov_position_kernel,
-// markov_position_tokens_kernel) does first, after its wait: the writer
-// blocks (x = 0) write h . conf.w[:d] at position 0 and the rows'
-// confidences and verdicts; every block points e at its rows' e_k =
-// w1[x_{k-1}]. Returns how many of the block's rows are still drafting.
+// x_{k-1} of the block's rows: the anchors at position 0, else position k - 1's
+// argmax (or drawn) tokens, clamped to the vocabulary (a pruned row's later
+// tokens are never used, but stay in range).
 template <int ROWS>
-__device__ __forceinline__ int markov_position_start(GatheredRows<ROWS>& e, const unsigned long long* argmax_keys,
-                                                     const float* hidden, float* hidden_logits, int k, int first_row,
-                                                     int row_count, int rows, int gamma, int rank, int width, int vocab,
-                                                     const SequentialHeadWeights& weights, const DraftControl* control,
-                                                     const SequentialHeadState& head) {
+__device__ __forceinline__ void markov_previous_tokens(int (&tokens)[ROWS], const unsigned long long* argmax_keys,
+                                                       const SequentialHeadState& head, int k, int first_row,
+                                                       int row_count, int rows, int vocab) {
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    tokens[r] = 0;
+    if (r >= row_count) continue;
+    const long previous_slot = static_cast<long>(k - 1) * rows + first_row + r;
+    const int token = k == 0        ? head.anchors[first_row + r]
+                      : argmax_keys ? argmax_index(__ldcg(argmax_keys + previous_slot))
+                                    : __ldcg(head.tokens + previous_slot);
+    tokens[r] = min(max(token, 0), vocab - 1);
+  }
+}
+
+// Position k's verdicts for the block's rows, given their x_{k-1}: the writer
+// blocks (x = 0) write h . conf.w[:d] at position 0 and the rows' confidences
+// and verdicts. Returns how many of the block's rows are still drafting.
+template <int ROWS>
+__device__ __forceinline__ int markov_position_verdicts(const int (&tokens)[ROWS], const float* hidden,
+                                                        float* hidden_logits, int k, int first_row, int row_count,
+                                                        int rows, int gamma, int width,
+                                                        const SequentialHeadWeights& weights,
+                                                        const DraftControl* control, const SequentialHeadState& head) {
   const bool writer = blockIdx.x == 0;
   if (k == 0 && writer) {  // h . conf.w[:d] of the block's rows at every position
-    for (int i = threadIdx.x >> 5; i < gamma * row_count; i += kInOutSlices) {  // 8 warps
+    for (int i = threadIdx.x >> 5; i < gamma * row_count; i += blockDim.x >> 5) {
       const long slot = static_cast<long>(i / row_count) * rows + first_row + i % row_count;
       const float dot = hidden_confidence_logit(hidden + slot * width, weights.confidence_weight, width);
       if ((threadIdx.x & 31) == 0) hidden_logits[slot] = dot;
@@ -341,20 +385,13 @@ __device__ __forceinline__ int markov_position_start(GatheredRows<ROWS>& e, cons
   int kept_rows = 0;
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
-    e.rows[r] = weights.embedding;  // rows past the batch are never read
     if (r >= row_count) continue;
     const int b = first_row + r;
-    const long previous_slot = static_cast<long>(k - 1) * rows + b;
-    int token = k == 0        ? head.anchors[b]
-                : argmax_keys ? argmax_index(__ldcg(argmax_keys + previous_slot))
-                              : __ldcg(head.tokens + previous_slot);
-    token = min(max(token, 0), vocab - 1);  // a pruned row's later tokens are never used, but stay in range
-    e.rows[r] = weights.embedding + static_cast<long>(token) * rank;
     if (k == 0 && !writer) {  // position 0 needs no confidence to be kept
       kept_rows += 0 < head.limits[b];
       continue;
     }
-    const float logit = (__ldcg(hidden_logits + static_cast<long>(k) * rows + b) + weights.token_confidence[token] +
+    const float logit = (__ldcg(hidden_logits + static_cast<long>(k) * rows + b) + weights.token_confidence[tokens[r]] +
                          weights.confidence_bias[0]) /
                         weights.temperatures[k];
     const float confidence = confidence_of(logit);
@@ -368,6 +405,24 @@ __device__ __forceinline__ int markov_position_start(GatheredRows<ROWS>& e, cons
   }
   if (writer && threadIdx.x == 0 && kept_rows > 0) atomicAdd(head.alive_rows + k, kept_rows);
   return kept_rows;
+}
+
+// What every block of position k's kernels (markov_position_kernel,
+// markov_position_tokens_kernel) does first, after its wait: the verdicts
+// above, and e pointed at its rows' e_k = w1[x_{k-1}]. Returns how many of the
+// block's rows are still drafting.
+template <int ROWS>
+__device__ __forceinline__ int markov_position_start(GatheredRows<ROWS>& e, const unsigned long long* argmax_keys,
+                                                     const float* hidden, float* hidden_logits, int k, int first_row,
+                                                     int row_count, int rows, int gamma, int rank, int width, int vocab,
+                                                     const SequentialHeadWeights& weights, const DraftControl* control,
+                                                     const SequentialHeadState& head) {
+  int tokens[ROWS];
+  markov_previous_tokens(tokens, argmax_keys, head, k, first_row, row_count, rows, vocab);
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) e.rows[r] = weights.embedding + static_cast<long>(tokens[r]) * rank;
+  return markov_position_verdicts(tokens, hidden, hidden_logits, k, first_row, row_count, rows, gamma, width, weights,
+                                  control, head);
 }
 
 template <int ROWS, bool VECTOR, bool ARGMAX>
@@ -447,6 +502,122 @@ __host__ __device__ constexpr int staged_row_count(int hidden_size) {
   return int(rows < 16 ? rows : 16);
 }
 static_assert(staged_row_count(kMaxIntervalHidden) >= 1);
+
+// A column's logit U + B lies within [lower, upper]: B within `reach` of `center` (from the 8-bit sum), U
+// within base_reach of base (plus slack for its rounding). NaN anywhere makes upper NaN: such a column always
+// gets its exact sum.
+__device__ __forceinline__ void column_interval(float& upper, float& lower, float base, float base_reach, float center,
+                                                float reach, float slack) {
+  const float value = base + center;
+  const float spread = reach + base_reach + slack * fabsf(base) + 1e-30f;
+  upper = value + spread;
+  lower = value - spread;
+}
+
+// The candidates' U_k (INTERVALS), as the LM head's tensor-core GEMV forms it (tensor_gemv.cuh), `staged` (at
+// most 16) at a time: h_k and the candidates' weight rows come into shared memory (`staging`: the warps' sums
+// [kMmaWarps][4][32] f32, h_k [H] bf16, `staged` rows [H + kStagedRowPadding] bf16) in one round trip, then
+// weight rows g and g + 8 of lane (g, c) of warps 0..7 are candidates first + g and first + g + 8, every column of
+// the activation tile is h_k, and column 0 is kept. Every thread of the block calls it.
+__device__ __forceinline__ void lm_head_candidate_logits(float* candidate_base, const int* candidates,
+                                                         int candidate_count, long first_column,
+                                                         const LmHeadIntervals& lm, int k, unsigned char* staging,
+                                                         int staged) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3, H = lm.hidden_size, stride = H + kStagedRowPadding;
+  float* warp_sums = reinterpret_cast<float*>(staging);
+  bf16* staged_hidden = reinterpret_cast<bf16*>(staging + kWarpSumBytes);
+  bf16* staged_rows = staged_hidden + H;  // [staged][stride]
+  const int pieces = H / 8;
+  if (candidate_count > 0)
+    for (int i = threadIdx.x; i < pieces; i += blockDim.x)
+      copy_to_shared_async(staged_hidden + 8 * i, lm.hidden + static_cast<long>(k) * H + 8 * i);
+  for (int first = 0; first < candidate_count; first += staged) {
+    const int count = min(staged, candidate_count - first);
+    for (int i = threadIdx.x; i < count * pieces; i += blockDim.x) {
+      const int j = i / pieces, piece = i - j * pieces;
+      const long v = first_column + candidates[first + j];
+      copy_to_shared_async(staged_rows + j * stride + 8 * piece, lm.weight + v * H + 8 * piece);
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncthreads();
+    if (warp < kMmaWarps) {
+      const bool low_valid = g < count, high_valid = g + 8 < count;
+      const bf16* low_row = staged_rows + g * stride;
+      const bf16* high_row = staged_rows + (g + 8) * stride;
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+      float sums[4] = {};
+      for (int at = warp * kMmaChunk; at < H; at += kMmaWarps * kMmaChunk) {
+        const int own = at + c * (kMmaChunk / 4);  // a lane's 16 elements: all inside H or none (as in the GEMV)
+        const bool inside = own < H;
+#pragma unroll
+        for (int piece = 0; piece < kMmaPieces; ++piece) {
+          const int at_piece = own + 8 * piece;
+          const uint4 a_low = low_valid && inside ? *reinterpret_cast<const uint4*>(low_row + at_piece) : zero;
+          const uint4 a_high = high_valid && inside ? *reinterpret_cast<const uint4*>(high_row + at_piece) : zero;
+          const uint4 b = inside ? *reinterpret_cast<const uint4*>(staged_hidden + at_piece) : zero;
+          tensor_gemv_multiply_piece(sums, a_low, a_high, b);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) warp_sums[(warp * 4 + i) * 32 + lane] = sums[i];
+    }
+    __syncthreads();
+    if (threadIdx.x < count) {  // row j: lane (j % 8, 0), element 0 or 2
+      const int j = threadIdx.x, from = (j % 8) * 4, i = j < 8 ? 0 : 2;
+      float total = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kMmaWarps; ++w) total += warp_sums[(w * 4 + i) * 32 + from];
+      candidate_base[first + j] = total;
+    }
+    __syncthreads();  // the staged rows and the warps' sums are free again
+  }
+}
+
+// The candidates' exact logits, eight lanes each: lane s sums the features s, s + 8, ... in order from the
+// slice-major exact copy, as in_out_product's slice s does, then the slices in order, then U (base(c)): the
+// same bits as the full product's logit. Returns the best key of the thread's candidates (0: none).
+template <class Base>
+__device__ __forceinline__ unsigned long long candidate_keys(const int* candidates, int candidate_count,
+                                                             long first_column, const float* e,
+                                                             const QuantizedColumnsView& w2, int rank, Base base) {
+  const int lane = threadIdx.x & 31, group = threadIdx.x >> 3, part = threadIdx.x & 7;
+  const unsigned group_mask = 0xffu << (lane & 24);
+  const int steps = rank / kInOutSlices;
+  unsigned long long best = 0;
+  for (int c = group; c < candidate_count; c += blockDim.x / 8) {
+    const long v = first_column + candidates[c];
+    const bf16* weights_of_part = w2.exact + v * rank + part * steps;
+    float sum = 0.0f;
+    if (steps % 8 == 0) {  // 16-byte pieces, four in flight at once (one round trip at r 256), summed in order
+      for (int j = 0; j < steps; j += 32) {
+        uint4 pieces[4];
+#pragma unroll
+        for (int p = 0; p < 4; ++p)
+          pieces[p] = j + 8 * p < steps ? __ldg(reinterpret_cast<const uint4*>(weights_of_part + j + 8 * p))
+                                        : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          if (j + 8 * p >= steps) break;
+          float w[8];
+          unpack_eight(pieces[p], w);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) sum = fmaf(e[part + kInOutSlices * (j + 8 * p + i)], w[i], sum);
+        }
+      }
+    } else {
+      for (int j = 0; j < steps; ++j)
+        sum = fmaf(e[part + kInOutSlices * j], __bfloat162float(__ldg(weights_of_part + j)), sum);
+    }
+    float total = 0.0f;
+#pragma unroll
+    for (int s = 0; s < kInOutSlices; ++s) total += __shfl_sync(group_mask, sum, s, 8);
+    total += base(c);
+    best = max(best, argmax_key(total, static_cast<int>(v)));
+  }
+  return best;
+}
+
 template <bool INTERVALS>
 __global__ void __launch_bounds__(kTokenThreads, 3)
     markov_position_tokens_kernel(unsigned long long* argmax_keys, const float* logits, QuantizedColumnsView w2,
@@ -542,10 +713,9 @@ __global__ void __launch_bounds__(kTokenThreads, 3)
     float approximate = 0.0f;
 #pragma unroll
     for (int s = 0; s < kInOutSlices; ++s) approximate += partial[s * kTokenColumns + local];
-    const float value = base[h] + scale[h] * approximate;
-    const float reach = bound[h] * norm + base_reach[h] + slack * fabsf(base[h]) + 1e-30f;
-    upper[h] = value + reach;  // NaN where anything is: then always given the exact sum
-    best_lower = fmaxf(best_lower, value - reach);
+    float lower;
+    column_interval(upper[h], lower, base[h], base_reach[h], scale[h] * approximate, bound[h] * norm, slack);
+    best_lower = fmaxf(best_lower, lower);
   }
   best_lower = warp_max(best_lower);
   if (lane == 0) warp_lower[slice] = best_lower;
@@ -565,79 +735,211 @@ __global__ void __launch_bounds__(kTokenThreads, 3)
   }
   __syncthreads();
 
-  // INTERVALS: the candidates' U_k, staged_row_count(H) (at most 16) at a time: h_k and the candidates' weight
-  // rows come into shared memory (over the slots, after the warps' sums) in one round trip, then weight rows
-  // g and g + 8 of lane (g, c) are candidates first + g and first + g + 8, every column of the activation
-  // tile is h_k, and column 0 is kept.
+  const long first_column = static_cast<long>(blockIdx.x) * kTokenColumns;
   __shared__ float candidate_base[INTERVALS ? kTokenColumns : 1];
-  if constexpr (INTERVALS) {
-    const int g = lane >> 2, c = lane & 3, H = lm.hidden_size, stride = H + kStagedRowPadding;
-    float* warp_sums = partial;  // [kMmaWarps][4][32], over the slots (the bounds' sums are done with)
-    bf16* staged_hidden = reinterpret_cast<bf16*>(token_shared + kWarpSumBytes);
-    bf16* staged_rows = staged_hidden + H;  // [kStagedRows][stride]
-    const int staged = staged_row_count(H), pieces = H / 8;
-    if (candidate_count > 0)
-      for (int i = threadIdx.x; i < pieces; i += kTokenThreads)
-        copy_to_shared_async(staged_hidden + 8 * i, lm.hidden + static_cast<long>(k) * H + 8 * i);
-    for (int first = 0; first < candidate_count; first += staged) {
-      const int count = min(staged, candidate_count - first);
-      for (int i = threadIdx.x; i < count * pieces; i += kTokenThreads) {
-        const int j = i / pieces, piece = i - j * pieces;
-        const long v = blockIdx.x * kTokenColumns + candidates[first + j];
-        copy_to_shared_async(staged_rows + j * stride + 8 * piece, lm.weight + v * H + 8 * piece);
-      }
-      asm volatile("cp.async.wait_all;" ::: "memory");
-      __syncthreads();
-      const bool low_valid = g < count, high_valid = g + 8 < count;
-      const bf16* low_row = staged_rows + g * stride;
-      const bf16* high_row = staged_rows + (g + 8) * stride;
-      const uint4 zero = make_uint4(0, 0, 0, 0);
-      float sums[4] = {};
-      for (int at = slice * kMmaChunk; at < H; at += kMmaWarps * kMmaChunk) {
-        const int own = at + c * (kMmaChunk / 4);  // a lane's 16 elements: all inside H or none (as in the GEMV)
-        const bool inside = own < H;
-#pragma unroll
-        for (int piece = 0; piece < kMmaPieces; ++piece) {
-          const int at_piece = own + 8 * piece;
-          const uint4 a_low = low_valid && inside ? *reinterpret_cast<const uint4*>(low_row + at_piece) : zero;
-          const uint4 a_high = high_valid && inside ? *reinterpret_cast<const uint4*>(high_row + at_piece) : zero;
-          const uint4 b = inside ? *reinterpret_cast<const uint4*>(staged_hidden + at_piece) : zero;
-          tensor_gemv_multiply_piece(sums, a_low, a_high, b);
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < 4; ++i) warp_sums[(slice * 4 + i) * 32 + lane] = sums[i];
-      __syncthreads();
-      if (threadIdx.x < count) {  // row j: lane (j % 8, 0), element 0 or 2
-        const int j = threadIdx.x, from = (j % 8) * 4, i = j < 8 ? 0 : 2;
-        float total = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kMmaWarps; ++w) total += warp_sums[(w * 4 + i) * 32 + from];
-        candidate_base[first + j] = total;
-      }
-      __syncthreads();  // the staged rows and the warps' sums are free again
-    }
-  }
-
-  // The candidates' exact logits, eight lanes each.
-  const int group = threadIdx.x >> 3, part = threadIdx.x & 7;
-  const unsigned group_mask = 0xffu << (lane & 24);
-  unsigned long long best = 0;
-  for (int c = group; c < candidate_count; c += kTokenThreads / 8) {
-    const int v = blockIdx.x * kTokenColumns + candidates[c];
-    const bf16* weights_of_part = w2.exact + static_cast<long>(v) * rank + part * steps;
-    float sum = 0.0f;
-    for (int j = 0; j < steps; ++j)
-      sum = fmaf(e[part + kInOutSlices * j], __bfloat162float(__ldg(weights_of_part + j)), sum);
-    float total = 0.0f;
-#pragma unroll
-    for (int s = 0; s < kInOutSlices; ++s) total += __shfl_sync(group_mask, sum, s, 8);
-    total += INTERVALS ? candidate_base[c] : logits[v];
-    best = max(best, argmax_key(total, v));
-  }
+  if constexpr (INTERVALS)  // over the slots: the bounds' sums are done with
+    lm_head_candidate_logits(candidate_base, candidates, candidate_count, first_column, lm, k, token_shared,
+                             staged_row_count(lm.hidden_size));
+  const unsigned long long best = candidate_keys(candidates, candidate_count, first_column, e, w2, rank, [&](int c) {
+    return INTERVALS ? candidate_base[c] : logits[first_column + candidates[c]];
+  });
   if (best) atomicMax(&block_key, best);
   __syncthreads();
   if (threadIdx.x == 0 && block_key) atomicMax(argmax_keys + slot, block_key);
+}
+
+// The tokens-only head of a whole draft step in one persistent launch
+// (markov_head_tokens_forward): position k's work is the tokens kernel's
+// above, but w2's 8-bit columns are read from memory once a step, not once a
+// position. One block a multiprocessor owns `pieces` pieces of 16 columns
+// (Qwen3-8B: 72 pieces, 1152 columns, 288 KB of w2 at r 256) and keeps them
+// on chip for every position: kHeadTokensRegisterLoads 16-byte loads a thread
+// in registers, the rest in shared memory. Each lane ends a position with the
+// 8-bit sums of two columns; those give only intervals, whose bound does not
+// depend on the order of the sum, and the exact logits are formed as the
+// tokens kernel forms them. The blocks meet at a grid barrier
+// (counted_grid_barrier) when each position's keys are complete, and
+// (INTERVALS) once before, for the best lower end of all blocks.
+//
+//
+// Warp w holds pieces 4w .. 4w + 3, lane l piece 4w + l / 8 and the features
+// s, s + 8, ... (s = l % 8); the eight lanes of a piece then halve their
+// sixteen sums three times, so lane s ends with the piece's columns 2s and
+// 2s + 1. (Tensor cores for these sums, e_k quantized in two 8-bit levels as
+// the B operand, measured no faster: docs/PERF.md, stop 37.)
+constexpr int kHeadTokensMaxThreads = 576;  // 72 pieces: Qwen3-8B's vocabulary over 132 multiprocessors
+constexpr int kHeadTokensRegisterLoads = 12;
+
+struct HeadTokensPlan {
+  int pieces;        // pieces of 16 columns a block: a multiple of 4, at least 32 (the candidates' GEMV's 8 warps)
+  int blocks;        // one a multiprocessor at most
+  int loads;         // 16-byte loads a thread: r / 8
+  int shared_loads;  // of them kept in shared memory: loads - kHeadTokensRegisterLoads
+  int staged;        // INTERVALS: candidate rows staged at once
+  size_t shared_bytes;
+};
+
+// Dynamic shared memory: the cached weights [shared_loads][threads] uint4, e_k [r] f32, the candidates
+// [pieces * 16] int and their U [pieces * 16] f32, then (INTERVALS) lm_head_candidate_logits's staging.
+template <bool INTERVALS>
+__global__ void __launch_bounds__(kHeadTokensMaxThreads, 1)
+    markov_head_tokens_kernel(unsigned long long* argmax_keys, const float* logits, QuantizedColumnsView w2,
+                              LmHeadIntervals lm, const float* hidden, float* hidden_logits, int gamma, int rank,
+                              int width, int vocab, SequentialHeadWeights weights, const DraftControl* control,
+                              SequentialHeadState head, HeadTokensPlan plan, unsigned* counter) {
+  constexpr int kRegisters = kHeadTokensRegisterLoads;
+  extern __shared__ __align__(16) unsigned char head_shared[];
+  const int threads = blockDim.x, columns = plan.pieces * 16;
+  uint4* cache = reinterpret_cast<uint4*>(head_shared);
+  float* e = reinterpret_cast<float*>(cache + static_cast<long>(plan.shared_loads) * threads);
+  int* candidates = reinterpret_cast<int*>(e + rank);
+  float* candidate_base = reinterpret_cast<float*>(candidates + columns);
+  unsigned char* staging = reinterpret_cast<unsigned char*>(candidate_base + columns);
+  __shared__ float warp_lower[kHeadTokensMaxThreads / 32];
+  __shared__ int candidate_count;
+  __shared__ unsigned long long block_key;
+
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5, slice = lane & 7;
+  const long first_column = static_cast<long>(blockIdx.x) * columns;
+  const int local = (warp * 4 + (lane >> 3)) * 16 + 2 * slice;  // the lane's first column in the block (of two)
+  const long column = first_column + local - 2 * slice;         // its piece's first column
+  auto weight_at = [&](int q) -> const uint4* {  // load q: feature slice + 8q of the piece; null past the vocabulary
+    return column < vocab ? reinterpret_cast<const uint4*>(
+                                w2.values + static_cast<long>(slice + kInOutSlices * q) * w2.stride + column)
+                          : nullptr;
+  };
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  // The block's weights, before the wait: nothing before this kernel writes them.
+  uint4 registers[kRegisters];
+#pragma unroll
+  for (int q = 0; q < kRegisters; ++q) {
+    const uint4* source = q < plan.loads ? weight_at(q) : nullptr;
+    registers[q] = source ? __ldcs(source) : zero;
+  }
+  for (int q = kRegisters; q < plan.loads; ++q) {
+    uint4* slot = cache + static_cast<long>(q - kRegisters) * threads + t;
+    const uint4* source = weight_at(q);
+    if (source)
+      copy_to_shared_async(slot, source);
+    else
+      *slot = zero;
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+  wait_for_previous_kernel();
+  start_next_kernel();
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncthreads();
+
+  const float slack = w2.slack;
+  unsigned meetings = 0;  // grid barriers so far
+  for (int k = 0; k < gamma; ++k) {
+    // The lane's two columns' scales and bounds (read again at each position: registers hold the weights) and U
+    // (INTERVALS: its center, and how far U can be from it), before the previous token is known.
+    float scale[2], bound[2], base[2], base_reach[2] = {};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const long v = min(first_column + local + h, static_cast<long>(vocab - 1));
+      scale[h] = __ldg(w2.scales + v), bound[h] = __ldg(w2.bounds + v);
+      if constexpr (INTERVALS) {
+        base[h] = __ldcg(lm.centers + static_cast<long>(k) * vocab + v);
+        base_reach[h] = __ldcg(lm.activation_norms + k) * __ldg(lm.row_bounds + v) +
+                        __ldcg(lm.activation_norms + kQuantizedActivationRows + k) * __ldg(lm.row_norms + v);
+      } else {
+        base[h] = __ldcg(logits + static_cast<long>(k) * vocab + v);
+      }
+    }
+    int token[1];
+    markov_previous_tokens(token, argmax_keys, head, k, 0, 1, 1, vocab);
+    // e_k = w1[x_{k-1}] (16 bytes a thread) is read beside the verdict's loads: one round trip for both.
+    const uint4 e_piece =
+        t * 8 < rank
+            ? __ldg(reinterpret_cast<const uint4*>(weights.embedding + static_cast<long>(token[0]) * rank + t * 8))
+            : zero;
+    if (markov_position_verdicts(token, hidden, hidden_logits, k, 0, 1, 1, gamma, width, weights, control, head) == 0)
+      break;  // the same verdict in every block: no barrier is skipped
+    if (t * 8 < rank) unpack_eight(e_piece, e + t * 8);
+    if (t == 0) candidate_count = 0, block_key = 0;
+    __syncthreads();
+
+    // B_k of the lane's two columns: a center and how far B can be from it, from the 8-bit sums.
+    float sums[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) sums[i] = 0.0f;
+#pragma unroll
+    for (int q = 0; q < kRegisters; ++q) {
+      // Opaque to the compiler: else it hoists the weights' conversions (192 floats) out of the loop over k.
+      asm volatile("" : "+r"(registers[q].x), "+r"(registers[q].y), "+r"(registers[q].z), "+r"(registers[q].w));
+      if (q < plan.loads) multiply_sixteen(sums, registers[q], e[slice + kInOutSlices * q]);
+    }
+    for (int q = kRegisters; q < plan.loads; ++q)
+      multiply_sixteen(sums, cache[static_cast<long>(q - kRegisters) * threads + t], e[slice + kInOutSlices * q]);
+    // The piece's eight lanes halve their sums: bit b of the slice keeps the upper half, the partner the lower.
+    float half[8], quarter[4], approximate[2];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const bool upper_half = slice & 4;
+      half[i] =
+          (upper_half ? sums[8 + i] : sums[i]) + __shfl_xor_sync(0xffffffffu, upper_half ? sums[i] : sums[8 + i], 4);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const bool upper_half = slice & 2;
+      quarter[i] =
+          (upper_half ? half[4 + i] : half[i]) + __shfl_xor_sync(0xffffffffu, upper_half ? half[i] : half[4 + i], 2);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const bool upper_half = slice & 1;
+      approximate[i] = (upper_half ? quarter[2 + i] : quarter[i]) +
+                       __shfl_xor_sync(0xffffffffu, upper_half ? quarter[i] : quarter[2 + i], 1);
+    }
+    float norm = 0.0f;  // ||e||_2, each warp its own (the same) sum
+    for (int f = lane; f < rank; f += 32) norm += e[f] * e[f];
+    norm = sqrtf(warp_sum(norm)) * (1.0f + slack);
+    float center[2], reach[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) center[h] = scale[h] * approximate[h], reach[h] = bound[h] * norm;
+
+    float upper[2], best_lower = -INFINITY;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      upper[h] = -INFINITY;
+      if (first_column + local + h >= vocab) continue;
+      float lower;
+      column_interval(upper[h], lower, base[h], base_reach[h], center[h], reach[h], slack);
+      best_lower = fmaxf(best_lower, lower);
+    }
+    best_lower = warp_max(best_lower);
+    if (lane == 0) warp_lower[warp] = best_lower;
+    __syncthreads();
+    for (int w = 0; w < threads / 32; ++w) best_lower = fmaxf(best_lower, warp_lower[w]);
+    if constexpr (INTERVALS) {  // the best lower end of all blocks
+      if (t == 0) atomicMax(lm.lower_keys + k, ordered_bits(best_lower));
+      counted_grid_barrier(counter, ++meetings);
+      best_lower = fmaxf(best_lower, float_of_ordered_bits(__ldcg(lm.lower_keys + k)));
+    }
+    const unsigned long long found = __ldcg(argmax_keys + k);  // the best exact key of the blocks done so far
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const long v = first_column + local + h;
+      if (v < vocab && !(upper[h] < best_lower) && argmax_key(upper[h], static_cast<int>(v)) >= found)
+        candidates[atomicAdd(&candidate_count, 1)] = local + h;
+    }
+    __syncthreads();
+
+    if constexpr (INTERVALS)
+      lm_head_candidate_logits(candidate_base, candidates, candidate_count, first_column, lm, k, staging, plan.staged);
+    const unsigned long long best = candidate_keys(candidates, candidate_count, first_column, e, w2, rank, [&](int c) {
+      return INTERVALS ? candidate_base[c]
+                       : __ldcg(logits + static_cast<long>(k) * vocab + first_column + candidates[c]);
+    });
+    if (best) atomicMax(&block_key, best);
+    __syncthreads();
+    if (t == 0 && block_key) atomicMax(argmax_keys + k, block_key);
+    counted_grid_barrier(counter, ++meetings);  // position k's key is complete
+  }
+  if (blockIdx.x == 0)
+    for (int i = t; i < gamma; i += threads) head.tokens[i] = argmax_index(__ldcg(argmax_keys + i));
 }
 
 template <int ROWS>
@@ -717,7 +1019,68 @@ void launch_markov_head(float* logits, unsigned long long* argmax_keys, const bf
   CUDA_CHECK_LAUNCH();
 }
 
+// blocks = 0: not supported (the block's share of w2 and its scratch do not fit, or too many blocks to be resident).
+HeadTokensPlan make_head_tokens_plan(int rank, int vocab, int hidden_size /* 0: no intervals */) {
+  HeadTokensPlan plan{};
+  const int pieces = ceil_div(vocab, 16);
+  plan.pieces = std::max(32, ceil_div(ceil_div(pieces, multiprocessor_count()), 4) * 4);
+  plan.loads = rank / 8;
+  plan.shared_loads = std::max(0, plan.loads - kHeadTokensRegisterLoads);
+  const int threads = plan.pieces * 8, columns = plan.pieces * 16;
+  const long fixed = long(plan.shared_loads) * threads * sizeof(uint4) + sizeof(float) * rank +
+                     (sizeof(int) + sizeof(float)) * columns;
+  const long limit = shared_memory_limit();
+  long bytes = fixed;
+  if (hidden_size > 0) {
+    const long row_bytes = 2L * (hidden_size + kStagedRowPadding);
+    const long left = limit - fixed - long(kWarpSumBytes) - 2L * hidden_size;
+    plan.staged = int(std::clamp(left < 0 ? 0L : left / row_bytes, 0L, 16L));
+    bytes += long(kWarpSumBytes) + 2L * hidden_size + plan.staged * row_bytes;
+  }
+  const bool fits =
+      rank % 8 == 0 && threads <= kHeadTokensMaxThreads && bytes <= limit && (hidden_size == 0 || plan.staged >= 1);
+  plan.blocks = fits ? ceil_div(pieces, plan.pieces) : 0;
+  plan.shared_bytes = size_t(bytes);
+  return plan;
+}
+
 }  // namespace
+
+bool markov_head_tokens_supported(int rank, int vocab, int stride, int hidden_size) {
+  if (rank % 8 != 0 || stride % 16 != 0 || stride < vocab || (hidden_size > 0 && hidden_size % 32 != 0)) return false;
+  const HeadTokensPlan plan = make_head_tokens_plan(rank, vocab, hidden_size);
+  return plan.blocks > 0 && plan.blocks <= multiprocessor_count();
+}
+
+void markov_head_tokens_forward(unsigned long long* argmax_keys, const float* logits, const QuantizedColumnsView& w2,
+                                const LmHeadIntervals* lm_head, const float* hidden, float* hidden_logits, int gamma,
+                                int rank, int width, int vocab, const SequentialHeadWeights& weights,
+                                const DraftControl* control, const SequentialHeadState& head, unsigned* counter,
+                                cudaStream_t stream) {
+  check_position(0, gamma, weights);
+  const int hidden_size = lm_head ? lm_head->hidden_size : 0;
+  DSPARK_CHECK(markov_head_tokens_supported(rank, vocab, w2.stride, hidden_size) &&
+                   reinterpret_cast<uintptr_t>(w2.values) % 16 == 0,
+               "Markov head (tokens only, one launch): rank ", rank, ", vocab ", vocab, ", stride ", w2.stride,
+               ", hidden size ", hidden_size, " are not supported (see markov_head_tokens_supported)");
+  const HeadTokensPlan plan = make_head_tokens_plan(rank, vocab, hidden_size);
+  static const bool opted_in = [] {
+    for (auto kernel : {markov_head_tokens_kernel<false>, markov_head_tokens_kernel<true>})
+      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_memory_limit()));
+    return true;
+  }();
+  (void)opted_in;
+  const auto kernel = lm_head ? markov_head_tokens_kernel<true> : markov_head_tokens_kernel<false>;
+  int per_multiprocessor = 0;  // the grid barrier needs every block resident at once
+  CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel, plan.pieces * 8, plan.shared_bytes));
+  DSPARK_CHECK(per_multiprocessor >= 1, "Markov head (tokens only, one launch): a block of ", plan.pieces * 8,
+               " threads and ", plan.shared_bytes, " bytes of shared memory cannot be resident");
+  launch_dependent(kernel, plan.blocks, plan.pieces * 8, plan.shared_bytes, stream, argmax_keys, logits, w2,
+                   lm_head ? *lm_head : LmHeadIntervals{}, hidden, hidden_logits, gamma, rank, width, vocab, weights,
+                   control, head, plan, counter);
+  CUDA_CHECK_LAUNCH();
+}
 
 bool markov_head_supported(int rows, int gamma, int rank, int vocab, const bf16* w2) {
   if (rows < 1 || gamma < 1 || gamma > kMaxDraftGamma || rank % 8 != 0 || vocab % 8 != 0 ||
