@@ -324,6 +324,11 @@ enum class Head {
   TokensOneLaunch,
   TokensOneLaunchIntervals
 };
+bool tokens_head(Head kind) { return kind != Head::Reference && kind != Head::PerPosition && kind != Head::OneLaunch; }
+bool intervals_head(Head kind) { return kind == Head::TokensOnlyIntervals || kind == Head::TokensOneLaunchIntervals; }
+bool one_launch_tokens_head(Head kind) {
+  return kind == Head::TokensOneLaunch || kind == Head::TokensOneLaunchIntervals;
+}
 struct MarkovCase {
   int B, r, V;
   Floor floor;
@@ -467,14 +472,14 @@ void check_markov_heads(const std::vector<MarkovCase>& cases) {
       const cuda::SequentialHeadState head{anchors_device.data(), limits_device.data(), tokens.data(),
                                            greedy_keys,           confidence.data(),    alive.data(),
                                            count.data(),          alive_rows.data()};
-      const bool intervals_kind = kind == Head::TokensOnlyIntervals || kind == Head::TokensOneLaunchIntervals;
+      const bool intervals_kind = intervals_head(kind);
       if (intervals_kind) {  // U_k's intervals (the logits are not read)
         CUDA_CHECK(cudaMemset(lower_keys.data(), 0, lower_keys.bytes()));
         CUDA_CHECK(cudaMemset(logits.data(), 0xff, logits.bytes()));
         cuda::quantize_activation_rows_forward(activations, lm_hidden.data(), gamma, H, nullptr);
         cuda::quantized_rows_product_forward(centers.data(), lm_rows, activations, gamma, H, V, nullptr);
       }
-      if (kind == Head::TokensOneLaunch || kind == Head::TokensOneLaunchIntervals) {
+      if (one_launch_tokens_head(kind)) {
         CUDA_CHECK(cudaMemset(meetings.data(), 0, meetings.bytes()));
         cuda::markov_head_tokens_forward(
             keys.data(), logits.data(), quantized_view, intervals_kind ? &intervals : nullptr, hidden_device.data(),
@@ -485,7 +490,7 @@ void check_markov_heads(const std::vector<MarkovCase>& cases) {
       } else {
         for (int k = 0; k < gamma; ++k) {
           float* position_logits = logits.data() + size_t(k) * B * V;
-          if (kind == Head::TokensOnly || kind == Head::TokensOnlyIntervals) {
+          if (tokens_head(kind)) {  // (the one-launch tokens heads are above)
             cuda::markov_position_tokens_forward(keys.data(), position_logits, quantized_view,
                                                  intervals_kind ? &intervals : nullptr, hidden_device.data(),
                                                  hidden_logits.data(), k, B, gamma, r, d, V, weights,
@@ -508,8 +513,7 @@ void check_markov_heads(const std::vector<MarkovCase>& cases) {
             cuda::matmul_in_out_forward(position_logits, e.data(), w2_device.data(), nullptr, B, r, V, true,
                                         alive_rows.data() + k, nullptr);
         }
-        if (greedy || kind == Head::TokensOnly || kind == Head::TokensOnlyIntervals)
-          cuda::argmax_tokens_forward(tokens.data(), keys.data(), gamma * B, nullptr);
+        if (greedy || tokens_head(kind)) cuda::argmax_tokens_forward(tokens.data(), keys.data(), gamma * B, nullptr);
       }
       return Outputs{from_device(logits), from_device(confidence), from_device(tokens), from_device(count),
                      from_device(alive_rows)};
@@ -533,13 +537,12 @@ void check_markov_heads(const std::vector<MarkovCase>& cases) {
       }
       for (const Head kind : {Head::PerPosition, Head::OneLaunch, Head::TokensOnly, Head::TokensOnlyIntervals,
                               Head::TokensOneLaunch, Head::TokensOneLaunchIntervals}) {
-        const bool tokens_kind = kind != Head::PerPosition && kind != Head::OneLaunch;
-        const bool intervals_kind = kind == Head::TokensOnlyIntervals || kind == Head::TokensOneLaunchIntervals;
-        const bool one_launch_kind = kind == Head::TokensOneLaunch || kind == Head::TokensOneLaunchIntervals;
+        const bool intervals_kind = intervals_head(kind);
         if (kind == Head::OneLaunch && (!greedy || !on_chip)) continue;
-        if (tokens_kind && (!greedy || !tokens_only)) continue;
+        if (tokens_head(kind) && (!greedy || !tokens_only)) continue;
         if (intervals_kind && H == 0) continue;
-        if (one_launch_kind && !cuda::markov_head_tokens_supported(r, V, quantized.stride, intervals_kind ? H : 0))
+        if (one_launch_tokens_head(kind) &&
+            !cuda::markov_head_tokens_supported(r, V, quantized.stride, intervals_kind ? H : 0))
           continue;
         const std::string how = what + " H " + std::to_string(H) +
                                 (kind == Head::OneLaunch                  ? " one launch"
@@ -560,7 +563,7 @@ void check_markov_heads(const std::vector<MarkovCase>& cases) {
             const size_t slot = size_t(k) * B + b;
             EXPECT_NEAR(got.confidence[slot], expected.confidence[slot], 1e-5) << how << " slot " << slot;
             EXPECT_EQ(got.tokens[slot], expected.tokens[slot]) << how << " slot " << slot;
-            if (tokens_kind) continue;  // it writes no logits
+            if (tokens_head(kind)) continue;  // it writes no logits
             EXPECT_TRUE(std::equal(got.logits.begin() + slot * V, got.logits.begin() + (slot + 1) * V,
                                    expected.logits.begin() + slot * V))
                 << how << ": logits differ at slot " << slot;
