@@ -586,7 +586,9 @@ void CudaDrafter::read_context(int id, int layer, std::vector<float>& keys, std:
 // ---------------------------------------------------------------- the draft step
 
 int CudaDrafter::attention_splits(int rows) const {
-  // Enough CTAs for about two waves (a short context leaves some splits empty: they cost one tiny CTA).
+  // Enough CTAs for about two waves, two resident a multiprocessor: at one row of 8 heads, 32 splits of one
+  // tile each (a short context leaves some splits empty: they cost one tiny CTA). 16 splits of two tiles each
+  // made the 8B step 0.035 ms slower (docs/PERF.md, stop 38).
   const long blocks = long(rows) * config_.num_heads;
   return static_cast<int>(std::clamp<long>((2L * multiprocessors_ + blocks - 1) / blocks, 1, cuda::kMaxDraftSplits));
 }
@@ -712,6 +714,7 @@ void CudaDrafter::draft_chunk(std::span<const CudaDraftRequest> requests, const 
   cudaStream_t s = stream_;
   if (step_start_) CUDA_CHECK(cudaEventRecord(step_start_, s));
   CUDA_CHECK(cudaMemcpyAsync(metadata_.data(), bytes, layout_.bytes, cudaMemcpyHostToDevice, s));
+  head_timeline_.before_step(s);
 
   const StepKind kind = sampling                 ? StepKind::Sampled
                         : options.collect_logits ? StepKind::GreedyLogits
@@ -735,6 +738,7 @@ void CudaDrafter::draft_chunk(std::span<const CudaDraftRequest> requests, const 
   CUDA_CHECK(cudaStreamSynchronize(s));
   extend_in_flight_ = false;
   profiler_.finish_step();
+  head_timeline_.after_step();
 
   const int32_t* tokens = results_host_.data();
   const float* confidence = reinterpret_cast<const float*>(results_host_.data() + long(gamma) * rows);

@@ -73,6 +73,7 @@
 
 #include "kernels/cuda/buffer.h"
 #include "kernels/cuda/draft.h"
+#include "kernels/cuda/head_timeline.h"
 #include "kernels/cuda/quantized_product.h"
 #include "kernels/cuda/step_profiler.h"
 #include "model/cuda_target.h"
@@ -298,6 +299,7 @@ class CudaDrafter {
   std::map<int, cudaGraphExec_t> extend_graphs_;                // extension passes, per padded row count
   cudaEvent_t step_start_ = nullptr, step_stop_ = nullptr;  // set while step timing is on
   cuda::StepProfiler profiler_{"DSPARK_DRAFT_PROFILE", "draft profile"};  // on: every step eager, per-op times
+  cuda::HeadTimeline head_timeline_;  // DSPARK_HEAD_TIMELINE=1: the one-launch tokens head's inner times
 };
 
 }  // namespace dspark

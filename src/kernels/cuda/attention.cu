@@ -306,13 +306,13 @@ size_t bidirectional_shared_bytes(int gamma, int head_dim) {
 }
 
 // grid: x = KV split, y = head, z = row b. DIMS_PER_LANE = ceil(head_dim / 32).
+// Two blocks a multiprocessor: a split of one tile each (kMaxDraftSplits)
+// makes more blocks than multiprocessors.
 template <int DIMS_PER_LANE>
-__global__ void __launch_bounds__(kDraftWarps * 32)
+__global__ void __launch_bounds__(kDraftWarps * 32, 2)
     bidirectional_attention_kernel(bf16* out, const bf16* q, const bf16* block_keys, const bf16* block_values,
                                    long block_stride, DraftAttentionBatch batch, int gamma, int heads, int head_dim,
                                    int splits, float* partial_out, float* partial_lse, unsigned* counters) {
-  wait_for_previous_kernel();
-  start_next_kernel();
   extern __shared__ __align__(16) unsigned char shared[];
   const int padded = head_dim + 2;
   bf16* keys = reinterpret_cast<bf16*>(shared);
@@ -331,6 +331,44 @@ __global__ void __launch_bounds__(kDraftWarps * 32)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float scale = rsqrtf(static_cast<float>(head_dim));
   const long head_offset = static_cast<long>(head) * head_dim;
+  const int chunks = head_dim / 8;  // 16-byte pieces of one key row
+  // 16-byte chunks of a tile a thread, at most
+  constexpr int kDraftTileLoads = (kBlockSize * 32 * DIMS_PER_LANE / 8 + kDraftWarps * 32 - 1) / (kDraftWarps * 32);
+
+  // A tile's keys and values in registers, chunk i = threadIdx.x + 256 j of the tile's [kBlockSize][chunks]:
+  // the context's rows (CONTEXT), which no kernel before this one writes (they came from the context's
+  // extension, before the step), and the block's own rows (BLOCK), which the previous kernel (the k|v|q GEMM)
+  // writes. Past the end: zeros, never NaN.
+  uint4 tile_keys[kDraftTileLoads], tile_values[kDraftTileLoads];
+  auto load_tile = [&](int tile, bool context, bool block) {
+#pragma unroll
+    for (int j = 0; j < kDraftTileLoads; ++j) {
+      const int i = threadIdx.x + j * kDraftWarps * 32, key = i / chunks, chunk = i % chunks;
+      const int position = tile * kBlockSize + key;
+      if (i >= kBlockSize * chunks) continue;
+      if (position < length) {
+        if (!context) continue;
+        const long offset = static_cast<long>(position) * batch.context_stride + head_offset + chunk * 8;
+        tile_keys[j] = *reinterpret_cast<const uint4*>(context_keys + offset);
+        tile_values[j] = *reinterpret_cast<const uint4*>(context_values + offset);
+      } else if (position < total) {
+        if (!block) continue;
+        const long offset = (static_cast<long>(position - length) * rows + b) * block_stride + head_offset + chunk * 8;
+        tile_keys[j] = *reinterpret_cast<const uint4*>(block_keys + offset);
+        tile_values[j] = *reinterpret_cast<const uint4*>(block_values + offset);
+      }
+    }
+  };
+  auto clear_tile = [&] {
+#pragma unroll
+    for (int j = 0; j < kDraftTileLoads; ++j) tile_keys[j] = tile_values[j] = make_uint4(0, 0, 0, 0);
+  };
+  // The first tile's context rows before the wait for the previous kernel: their round trip overlaps its end.
+  clear_tile();
+  if (tile_begin < tile_end) load_tile(tile_begin, true, false);
+  wait_for_previous_kernel();
+  start_next_kernel();
+  if (tile_begin < tile_end) load_tile(tile_begin, false, true);
 
   for (int i = threadIdx.x; i < gamma * head_dim; i += kDraftWarps * 32) {
     const int k = i / head_dim, dim = i % head_dim;
@@ -344,29 +382,19 @@ __global__ void __launch_bounds__(kDraftWarps * 32)
 #pragma unroll
     for (int d = 0; d < DIMS_PER_LANE; ++d) accumulator[r][d] = 0.0f;
   }
-  const int chunks = head_dim / 8;  // 16-byte pieces of one key row
   for (int tile = tile_begin; tile < tile_end; ++tile) {
+    if (tile > tile_begin) clear_tile(), load_tile(tile, true, true);
     __syncthreads();  // the previous tile is no longer read (and the queries are written)
-    for (int i = threadIdx.x; i < kBlockSize * chunks; i += kDraftWarps * 32) {
-      const int key = i / chunks, chunk = i % chunks;
-      const int position = tile * kBlockSize + key;
-      uint4 key_vector = make_uint4(0, 0, 0, 0), value_vector = key_vector;  // past the end: zeros, never NaN
-      if (position < length) {
-        const long offset = static_cast<long>(position) * batch.context_stride + head_offset + chunk * 8;
-        key_vector = *reinterpret_cast<const uint4*>(context_keys + offset);
-        value_vector = *reinterpret_cast<const uint4*>(context_values + offset);
-      } else if (position < total) {
-        const long offset =
-            (static_cast<long>(position - length) * rows + b) * block_stride + head_offset + chunk * 8;
-        key_vector = *reinterpret_cast<const uint4*>(block_keys + offset);
-        value_vector = *reinterpret_cast<const uint4*>(block_values + offset);
-      }
+#pragma unroll
+    for (int j = 0; j < kDraftTileLoads; ++j) {
+      const int i = threadIdx.x + j * kDraftWarps * 32, key = i / chunks, chunk = i % chunks;
+      if (i >= kBlockSize * chunks) continue;
       uint32_t* key_words = reinterpret_cast<uint32_t*>(keys + key * padded + chunk * 8);
       uint32_t* value_words = reinterpret_cast<uint32_t*>(values + key * padded + chunk * 8);
-      key_words[0] = key_vector.x, key_words[1] = key_vector.y, key_words[2] = key_vector.z;
-      key_words[3] = key_vector.w;
-      value_words[0] = value_vector.x, value_words[1] = value_vector.y, value_words[2] = value_vector.z;
-      value_words[3] = value_vector.w;
+      key_words[0] = tile_keys[j].x, key_words[1] = tile_keys[j].y, key_words[2] = tile_keys[j].z;
+      key_words[3] = tile_keys[j].w;
+      value_words[0] = tile_values[j].x, value_words[1] = tile_values[j].y, value_words[2] = tile_values[j].z;
+      value_words[3] = tile_values[j].w;
     }
     __syncthreads();
     const int key_position = tile * kBlockSize + lane;

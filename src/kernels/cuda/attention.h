@@ -88,8 +88,12 @@ constexpr int kSplitTiles = 1;
 // zeroed once at allocation and left zeroed) merges the splits' partial
 // results, so the op is one kernel launch. partial_out [B*heads*splits*γ*head_dim]
 // and partial_lse [B*heads*splits*γ] are scratch, used only when splits > 1.
+// Each CTA reads its first tile's context rows (and the batch's metadata)
+// before it waits for the previous kernel (programmatic dependent launch), so
+// the kernel launched just before this one must not write them; the block's
+// rows (q, block_keys, block_values) it reads after.
 constexpr int kMaxDraftQueries = 32;  // γ <= 32
-constexpr int kMaxDraftSplits = 16;   // splits <= 16
+constexpr int kMaxDraftSplits = 32;   // splits <= 32
 
 struct DraftAttentionBatch {
   const __nv_bfloat16* const* context_keys;    // [B] (may be null where context_length is 0)

@@ -164,6 +164,25 @@ void markov_head_tokens_forward(unsigned long long* argmax_keys, const float* lo
                                 const DraftControl* control, const SequentialHeadState& head, unsigned* counter,
                                 cudaStream_t stream);
 
+// Where markov_head_tokens_forward's time goes (a development tool,
+// kernels/cuda/head_timeline.h). With stamps set (nullptr: off, the default),
+// thread 0 of each block keeps its SM's clock (low 32 bits) in shared memory:
+// at the start (slot 0), with the weights on chip (1), and at each step of the
+// first kHeadTimelinePositions positions (slot 2 + k * kHeadTimelineStages +
+// stage; stages: 0 start, 1 verdict, 2 e16, 3 sums (thread 0's), 4 bounds,
+// 5 first barrier, 6 candidates listed, 7 their U, 8 their keys, 9 second
+// barrier). At the end it writes them to stamps[b * kHeadTimelineSlots ...],
+// then %globaltimer at the start and the end and the clock at the end (which
+// place the clocks in global time), then each position's candidate count.
+// On, the stamps add ~0.09 ms to the 8B draft step (~1 us a stamp, cause not
+// found): read the stages for where the time goes, not as absolute costs.
+constexpr int kHeadTimelineStages = 10, kHeadTimelinePositions = 8;
+constexpr int kHeadTimelineClockSlots = 2 + kHeadTimelinePositions * kHeadTimelineStages;
+constexpr int kHeadTimelineGlobalStart = kHeadTimelineClockSlots, kHeadTimelineGlobalEnd = kHeadTimelineClockSlots + 1,
+              kHeadTimelineClockEnd = kHeadTimelineClockSlots + 2, kHeadTimelineCounts = kHeadTimelineClockSlots + 3;
+constexpr int kHeadTimelineSlots = kHeadTimelineCounts + kHeadTimelinePositions;
+void set_markov_head_timeline(unsigned long long* stamps);
+
 // The recurrent state update after the recurrent matmul, for every row:
 // RNN: state = tanh(pre + e) (pre = s @ wH + bH, [B, r]);
 // GRU: g, c, o = split3(pre) (pre = z @ wJ + bJ, [B, 3r]); keep = σ(g);

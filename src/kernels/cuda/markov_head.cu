@@ -115,6 +115,9 @@ __device__ __forceinline__ void grid_barrier(unsigned* arrived, unsigned* genera
 // barrier. No round trip to arrive (grid_barrier's ticket is an atomic that
 // returns, after a load of the generation: about 2 us more a barrier at 132
 // blocks, which a kernel meeting 14 times a step pays in full). Same watchdog.
+// (A barrier that gathers what the blocks exchange, each block's word in a
+// slot of its own that every block polls, let the blocks go ~0.7 us later
+// than this one: docs/PERF.md, stop 38.)
 __device__ __forceinline__ void counted_grid_barrier(unsigned* counter, unsigned times) {
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -519,7 +522,7 @@ __device__ __forceinline__ void column_interval(float& upper, float& lower, floa
 // [kMmaWarps][4][32] f32, h_k [H] bf16, `staged` rows [H + kStagedRowPadding] bf16) in one round trip, then
 // weight rows g and g + 8 of lane (g, c) of warps 0..7 are candidates first + g and first + g + 8, every column of
 // the activation tile is h_k, and column 0 is kept. Every thread of the block calls it.
-__device__ __forceinline__ void lm_head_candidate_logits(float* candidate_base, const int* candidates,
+__device__ __forceinline__ void lm_head_candidate_logits(float* candidate_base, const unsigned short* candidates,
                                                          int candidate_count, long first_column,
                                                          const LmHeadIntervals& lm, int k, unsigned char* staging,
                                                          int staged) {
@@ -578,7 +581,7 @@ __device__ __forceinline__ void lm_head_candidate_logits(float* candidate_base, 
 // slice-major exact copy, as in_out_product's slice s does, then the slices in order, then U (base(c)): the
 // same bits as the full product's logit. Returns the best key of the thread's candidates (0: none).
 template <class Base>
-__device__ __forceinline__ unsigned long long candidate_keys(const int* candidates, int candidate_count,
+__device__ __forceinline__ unsigned long long candidate_keys(const unsigned short* candidates, int candidate_count,
                                                              long first_column, const float* e,
                                                              const QuantizedColumnsView& w2, int rank, Base base) {
   const int lane = threadIdx.x & 31, group = threadIdx.x >> 3, part = threadIdx.x & 7;
@@ -686,7 +689,7 @@ __global__ void __launch_bounds__(kTokenThreads, 3)
 
   float* partial = reinterpret_cast<float*>(token_shared);  // [kInOutSlices][kTokenColumns], over the slots
   __shared__ float warp_lower[kInOutSlices];
-  __shared__ int candidates[kTokenColumns];
+  __shared__ unsigned short candidates[kTokenColumns];
   __shared__ int candidate_count;
   __shared__ unsigned long long block_key;
   const float slack = w2.slack;
@@ -748,6 +751,39 @@ __global__ void __launch_bounds__(kTokenThreads, 3)
   if (threadIdx.x == 0 && block_key) atomicMax(argmax_keys + slot, block_key);
 }
 
+// The one-launch tokens head's timeline (draft.h, set_markov_head_timeline).
+__device__ unsigned long long* head_timeline;  // set_markov_head_timeline
+
+// The block's stamps (draft.h) while the kernel runs: thread 0 keeps them in shared memory and writes them out at
+// the end.
+struct TimelineStamps {
+  bool on;  // head_timeline is set (thread 0's copy)
+  unsigned clocks[kHeadTimelineClockSlots];
+  unsigned counts[kHeadTimelinePositions];
+  unsigned long long global_start;
+};
+
+__device__ __forceinline__ void timeline_stamp(TimelineStamps& stamps, int slot) {
+  if (threadIdx.x == 0 && stamps.on && slot < kHeadTimelineClockSlots)
+    stamps.clocks[slot] = static_cast<unsigned>(clock64());
+}
+
+__device__ __forceinline__ void timeline_count(TimelineStamps& stamps, int k, int count) {
+  if (threadIdx.x == 0 && stamps.on && k < kHeadTimelinePositions) stamps.counts[k] = count;
+}
+
+__device__ __forceinline__ void timeline_write(const TimelineStamps& stamps) {
+  if (threadIdx.x != 0 || !stamps.on) return;
+  unsigned long long* out = head_timeline;
+  const unsigned clock_end = static_cast<unsigned>(clock64());
+  out += static_cast<long>(blockIdx.x) * kHeadTimelineSlots;
+  for (int i = 0; i < kHeadTimelineClockSlots; ++i) out[i] = stamps.clocks[i];
+  out[kHeadTimelineGlobalStart] = stamps.global_start;
+  out[kHeadTimelineGlobalEnd] = global_nanoseconds();
+  out[kHeadTimelineClockEnd] = clock_end;
+  for (int k = 0; k < kHeadTimelinePositions; ++k) out[kHeadTimelineCounts + k] = stamps.counts[k];
+}
+
 // The tokens-only head of a whole draft step in one persistent launch
 // (markov_head_tokens_forward): position k's work is the tokens kernel's
 // above, but w2's 8-bit columns are read from memory once a step, not once a
@@ -759,28 +795,77 @@ __global__ void __launch_bounds__(kTokenThreads, 3)
 // depend on the order of the sum, and the exact logits are formed as the
 // tokens kernel forms them. The blocks meet at a grid barrier
 // (counted_grid_barrier) when each position's keys are complete, and
-// (INTERVALS) once before, for the best lower end of all blocks.
-//
+// (INTERVALS) once before, for the best lower end of all blocks. (At 576
+// threads a thread gets at most 96 registers; ptxas spills ~180 bytes a
+// thread of the INTERVALS kernel, likely much of the weights' registers,
+// which the sums then read back from memory at every position: docs/PERF.md,
+// stop 38.)
 //
 // Warp w holds pieces 4w .. 4w + 3, lane l piece 4w + l / 8 and the features
 // s, s + 8, ... (s = l % 8); the eight lanes of a piece then halve their
 // sixteen sums three times, so lane s ends with the piece's columns 2s and
-// 2s + 1. (Tensor cores for these sums, e_k quantized in two 8-bit levels as
-// the B operand, measured no faster: docs/PERF.md, stop 37.)
+// 2s + 1. The sums are integers, exact: once a step each lane turns its
+// loads, four features at a time, into one word a column (a 4 x 4 byte
+// transpose, q signed), and at each position e_k is rounded to 16 bits
+// (e ~ e_scale * e16, e_scale = max |e| / 32767) so that two dp2a
+// instructions add a column's four products: a sixth of the instructions of
+// converting each weight to f32 and multiplying, which was most of a
+// position (docs/PERF.md, stop 38). The bound gains
+// ||e - e_scale e16|| * scale_v * ||q_v|| for the rounding of e.
 constexpr int kHeadTokensMaxThreads = 576;  // 72 pieces: Qwen3-8B's vocabulary over 132 multiprocessors
-constexpr int kHeadTokensRegisterLoads = 12;
+constexpr int kHeadTokensRegisterLoads = 12;  // three groups of four loads
+constexpr int kLargestE16 = 32767;
+
+// Four loads (16 columns at features f0..f3) into words of one column each: word m of out[j] is column 4j + m, its
+// bytes f0..f3, and q = stored - 128 as a signed byte.
+__device__ __forceinline__ void transpose_four_loads(uint4 (&loads)[4]) {
+  const unsigned in[4][4] = {{loads[0].x, loads[0].y, loads[0].z, loads[0].w},
+                             {loads[1].x, loads[1].y, loads[1].z, loads[1].w},
+                             {loads[2].x, loads[2].y, loads[2].z, loads[2].w},
+                             {loads[3].x, loads[3].y, loads[3].z, loads[3].w}};
+  unsigned out[4][4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {  // columns 4j .. 4j + 3: word j of each load
+    const unsigned low01 = __byte_perm(in[0][j], in[1][j], 0x5140), high01 = __byte_perm(in[0][j], in[1][j], 0x7362);
+    const unsigned low23 = __byte_perm(in[2][j], in[3][j], 0x5140), high23 = __byte_perm(in[2][j], in[3][j], 0x7362);
+    out[j][0] = __byte_perm(low01, low23, 0x5410) ^ 0x80808080u;
+    out[j][1] = __byte_perm(low01, low23, 0x7632) ^ 0x80808080u;
+    out[j][2] = __byte_perm(high01, high23, 0x5410) ^ 0x80808080u;
+    out[j][3] = __byte_perm(high01, high23, 0x7632) ^ 0x80808080u;
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) loads[j] = make_uint4(out[j][0], out[j][1], out[j][2], out[j][3]);
+}
+
+__device__ __forceinline__ int round_to_e16(float value, float inverse_scale) {
+  return min(max(__float2int_rn(value * inverse_scale), -kLargestE16), kLargestE16);
+}
+
+// sums[c] += e16 . (column c's four bytes) for the 16 columns of a transposed group; e_pairs: e16 of f0, f1 and
+// of f2, f3, the low halves first.
+__device__ __forceinline__ void add_group(int (&sums)[16], const uint4 (&group)[4], int low_pair, int high_pair) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int words[4] = {int(group[j].x), int(group[j].y), int(group[j].z), int(group[j].w)};
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+      sums[4 * j + m] = __dp2a_hi(high_pair, words[m], __dp2a_lo(low_pair, words[m], sums[4 * j + m]));
+  }
+}
 
 struct HeadTokensPlan {
   int pieces;        // pieces of 16 columns a block: a multiple of 4, at least 32 (the candidates' GEMV's 8 warps)
   int blocks;        // one a multiprocessor at most
   int loads;         // 16-byte loads a thread: r / 8
-  int shared_loads;  // of them kept in shared memory: loads - kHeadTokensRegisterLoads
+  int groups;        // of four loads: loads / 4 rounded up (the loads past r are zeros)
+  int shared_loads;  // kept in shared memory: 4 groups - kHeadTokensRegisterLoads
   int staged;        // INTERVALS: candidate rows staged at once
   size_t shared_bytes;
 };
 
-// Dynamic shared memory: the cached weights [shared_loads][threads] uint4, e_k [r] f32, the candidates
-// [pieces * 16] int and their U [pieces * 16] f32, then (INTERVALS) lm_head_candidate_logits's staging.
+// Dynamic shared memory: the cached weights [shared_loads][threads] uint4, e_k [r] f32, e16 [8][4 groups] i16,
+// the candidates [pieces * 16] u16 and their U [pieces * 16] f32, then (INTERVALS) lm_head_candidate_logits's
+// staging.
 template <bool INTERVALS>
 __global__ void __launch_bounds__(kHeadTokensMaxThreads, 1)
     markov_head_tokens_kernel(unsigned long long* argmax_keys, const float* logits, QuantizedColumnsView w2,
@@ -792,7 +877,9 @@ __global__ void __launch_bounds__(kHeadTokensMaxThreads, 1)
   const int threads = blockDim.x, columns = plan.pieces * 16;
   uint4* cache = reinterpret_cast<uint4*>(head_shared);
   float* e = reinterpret_cast<float*>(cache + static_cast<long>(plan.shared_loads) * threads);
-  int* candidates = reinterpret_cast<int*>(e + rank);
+  // e16 [8][4 groups]: slice s's features s, s + 8, ... in order, zeros past r; a group's two pairs in one int2.
+  auto* e16 = reinterpret_cast<short*>(e + rank);
+  auto* candidates = reinterpret_cast<unsigned short*>(e16 + 32 * plan.groups);  // the block's columns: local indices
   float* candidate_base = reinterpret_cast<float*>(candidates + columns);
   unsigned char* staging = reinterpret_cast<unsigned char*>(candidate_base + columns);
   __shared__ float warp_lower[kHeadTokensMaxThreads / 32];
@@ -809,30 +896,58 @@ __global__ void __launch_bounds__(kHeadTokensMaxThreads, 1)
                           : nullptr;
   };
   const uint4 zero = make_uint4(0, 0, 0, 0);
+  const uint4 stored_zero = make_uint4(0x80808080u, 0x80808080u, 0x80808080u, 0x80808080u);  // q = 0
   // The block's weights, before the wait: nothing before this kernel writes them.
-  uint4 registers[kRegisters];
+  uint4 registers[kRegisters / 4][4];
 #pragma unroll
   for (int q = 0; q < kRegisters; ++q) {
     const uint4* source = q < plan.loads ? weight_at(q) : nullptr;
-    registers[q] = source ? __ldcs(source) : zero;
+    registers[q / 4][q % 4] = source ? __ldcs(source) : stored_zero;
   }
-  for (int q = kRegisters; q < plan.loads; ++q) {
+  const int shared_end = 4 * plan.groups;
+  for (int q = kRegisters; q < shared_end; ++q) {
     uint4* slot = cache + static_cast<long>(q - kRegisters) * threads + t;
-    const uint4* source = weight_at(q);
+    const uint4* source = q < plan.loads ? weight_at(q) : nullptr;
     if (source)
       copy_to_shared_async(slot, source);
     else
-      *slot = zero;
+      *slot = stored_zero;
   }
   asm volatile("cp.async.commit_group;" ::: "memory");
   wait_for_previous_kernel();
   start_next_kernel();
-  asm volatile("cp.async.wait_all;" ::: "memory");
+  __shared__ TimelineStamps timeline;
+  if (t == 0) timeline.on = head_timeline != nullptr;
+  if (t == 0 && timeline.on) {
+    for (int i = 0; i < kHeadTimelineClockSlots; ++i) timeline.clocks[i] = 0;
+    for (int k = 0; k < kHeadTimelinePositions; ++k) timeline.counts[k] = 0;
+    timeline.global_start = global_nanoseconds();
+  }
+  timeline_stamp(timeline, 0);
+#pragma unroll
+  for (int g = 0; g < kRegisters / 4; ++g) transpose_four_loads(registers[g]);
+  asm volatile("cp.async.wait_all;" ::: "memory");  // a thread transposes only its own slots
+  for (int g = kRegisters / 4; g < plan.groups; ++g) {
+    uint4 group[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) group[j] = cache[static_cast<long>(4 * g + j - kRegisters) * threads + t];
+    transpose_four_loads(group);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) cache[static_cast<long>(4 * g + j - kRegisters) * threads + t] = group[j];
+  }
+  const float q_norm_bound = 127.0f * sqrtf(static_cast<float>(rank)) * (1.0f + w2.slack);  // ||q_v||_2 at most
+  // Of each warp that holds part of e_k: max |e|, and the sums of e^2 and of (e - e_scale e16)^2.
+  __shared__ float e_largest[kHeadTokensMaxThreads / 32], e_square[kHeadTokensMaxThreads / 32],
+      e_rounding[kHeadTokensMaxThreads / 32];
+  for (int i = t; i < 32 * plan.groups; i += threads) e16[i] = 0;
   __syncthreads();
+  timeline_stamp(timeline, 1);
 
   const float slack = w2.slack;
   unsigned meetings = 0;  // grid barriers so far
   for (int k = 0; k < gamma; ++k) {
+    const int stage = 2 + k * kHeadTimelineStages;
+    timeline_stamp(timeline, stage);
     // The lane's two columns' scales and bounds (read again at each position: registers hold the weights) and U
     // (INTERVALS: its center, and how far U can be from it), before the previous token is known.
     float scale[2], bound[2], base[2], base_reach[2] = {};
@@ -857,24 +972,62 @@ __global__ void __launch_bounds__(kHeadTokensMaxThreads, 1)
             : zero;
     if (markov_position_verdicts(token, hidden, hidden_logits, k, 0, 1, 1, gamma, width, weights, control, head) == 0)
       break;  // the same verdict in every block: no barrier is skipped
-    if (t * 8 < rank) unpack_eight(e_piece, e + t * 8);
+    float piece_largest = 0.0f;
+    if (t * 8 < rank) {
+      float values[8];
+      unpack_eight(e_piece, values);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) e[t * 8 + i] = values[i], piece_largest = fmaxf(piece_largest, fabsf(values[i]));
+    }
+    if (warp * 256 < rank) {  // the warps that hold part of e_k
+      piece_largest = warp_max(piece_largest);
+      if (lane == 0) e_largest[warp] = piece_largest;
+    }
     if (t == 0) candidate_count = 0, block_key = 0;
     __syncthreads();
+    timeline_stamp(timeline, stage + 1);
 
-    // B_k of the lane's two columns: a center and how far B can be from it, from the 8-bit sums.
-    float sums[16];
+    // B_k of the lane's two columns: a center and how far B can be from it, from the exact integer sums of
+    // e16 and q. First e16, by the threads that hold e_k.
+    float largest = 0.0f;
+    for (int w = 0; w * 256 < rank; ++w) largest = fmaxf(largest, e_largest[w]);
+    const float inverse_scale = largest > 0.0f ? kLargestE16 / largest : 0.0f;
+    const float e_scale = largest / kLargestE16;
+    if (warp * 256 < rank) {
+      float square = 0.0f, rounding = 0.0f;
+      if (t * 8 < rank) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) sums[i] = 0.0f;
-#pragma unroll
-    for (int q = 0; q < kRegisters; ++q) {
-      // Opaque to the compiler: else it hoists the weights' conversions (192 floats) out of the loop over k.
-      asm volatile("" : "+r"(registers[q].x), "+r"(registers[q].y), "+r"(registers[q].z), "+r"(registers[q].w));
-      if (q < plan.loads) multiply_sixteen(sums, registers[q], e[slice + kInOutSlices * q]);
+        for (int i = 0; i < 8; ++i) {  // feature 8t + i: slice i, the t-th of its slice
+          const float value = e[t * 8 + i];
+          const int rounded = round_to_e16(value, inverse_scale);
+          const float left = value - e_scale * static_cast<float>(rounded);
+          e16[i * 4 * plan.groups + t] = static_cast<short>(rounded);
+          square += value * value, rounding += left * left;
+        }
+      }
+      square = warp_sum(square), rounding = warp_sum(rounding);
+      if (lane == 0) e_square[warp] = square, e_rounding[warp] = rounding;
     }
-    for (int q = kRegisters; q < plan.loads; ++q)
-      multiply_sixteen(sums, cache[static_cast<long>(q - kRegisters) * threads + t], e[slice + kInOutSlices * q]);
+    __syncthreads();
+    timeline_stamp(timeline, stage + 2);
+    int sums[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) sums[i] = 0;
+    const int2* pairs = reinterpret_cast<const int2*>(e16 + slice * 4 * plan.groups);  // group g: e16 pairs
+#pragma unroll
+    for (int g = 0; g < kRegisters / 4; ++g) {
+      const int2 pair = pairs[g];
+      add_group(sums, registers[g], pair.x, pair.y);
+    }
+    for (int g = kRegisters / 4; g < plan.groups; ++g) {
+      const int2 pair = pairs[g];
+      uint4 group[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) group[j] = cache[static_cast<long>(4 * g + j - kRegisters) * threads + t];
+      add_group(sums, group, pair.x, pair.y);
+    }
     // The piece's eight lanes halve their sums: bit b of the slice keeps the upper half, the partner the lower.
-    float half[8], quarter[4], approximate[2];
+    int half[8], quarter[4], approximate[2];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const bool upper_half = slice & 4;
@@ -893,12 +1046,16 @@ __global__ void __launch_bounds__(kHeadTokensMaxThreads, 1)
       approximate[i] = (upper_half ? quarter[2 + i] : quarter[i]) +
                        __shfl_xor_sync(0xffffffffu, upper_half ? quarter[i] : quarter[2 + i], 1);
     }
-    float norm = 0.0f;  // ||e||_2, each warp its own (the same) sum
-    for (int f = lane; f < rank; f += 32) norm += e[f] * e[f];
-    norm = sqrtf(warp_sum(norm)) * (1.0f + slack);
+    timeline_stamp(timeline, stage + 3);
+    float norm = 0.0f, rounding = 0.0f;  // ||e||_2 and ||e - e_scale e16||_2
+    for (int w = 0; w * 256 < rank; ++w) norm += e_square[w], rounding += e_rounding[w];
+    norm = sqrtf(norm) * (1.0f + slack), rounding = sqrtf(rounding) * (1.0f + slack);
     float center[2], reach[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) center[h] = scale[h] * approximate[h], reach[h] = bound[h] * norm;
+    for (int h = 0; h < 2; ++h) {
+      center[h] = scale[h] * (e_scale * static_cast<float>(approximate[h]));
+      reach[h] = bound[h] * norm + rounding * scale[h] * q_norm_bound + slack * fabsf(center[h]);
+    }
 
     float upper[2], best_lower = -INFINITY;
 #pragma unroll
@@ -913,11 +1070,13 @@ __global__ void __launch_bounds__(kHeadTokensMaxThreads, 1)
     if (lane == 0) warp_lower[warp] = best_lower;
     __syncthreads();
     for (int w = 0; w < threads / 32; ++w) best_lower = fmaxf(best_lower, warp_lower[w]);
+    timeline_stamp(timeline, stage + 4);
     if constexpr (INTERVALS) {  // the best lower end of all blocks
       if (t == 0) atomicMax(lm.lower_keys + k, ordered_bits(best_lower));
       counted_grid_barrier(counter, ++meetings);
       best_lower = fmaxf(best_lower, float_of_ordered_bits(__ldcg(lm.lower_keys + k)));
     }
+    timeline_stamp(timeline, stage + 5);
     const unsigned long long found = __ldcg(argmax_keys + k);  // the best exact key of the blocks done so far
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -926,18 +1085,24 @@ __global__ void __launch_bounds__(kHeadTokensMaxThreads, 1)
         candidates[atomicAdd(&candidate_count, 1)] = local + h;
     }
     __syncthreads();
+    timeline_stamp(timeline, stage + 6);
+    timeline_count(timeline, k, candidate_count);
 
     if constexpr (INTERVALS)
       lm_head_candidate_logits(candidate_base, candidates, candidate_count, first_column, lm, k, staging, plan.staged);
+    timeline_stamp(timeline, stage + 7);
     const unsigned long long best = candidate_keys(candidates, candidate_count, first_column, e, w2, rank, [&](int c) {
       return INTERVALS ? candidate_base[c]
                        : __ldcg(logits + static_cast<long>(k) * vocab + first_column + candidates[c]);
     });
     if (best) atomicMax(&block_key, best);
     __syncthreads();
+    timeline_stamp(timeline, stage + 8);
     if (t == 0 && block_key) atomicMax(argmax_keys + k, block_key);
     counted_grid_barrier(counter, ++meetings);  // position k's key is complete
+    timeline_stamp(timeline, stage + 9);
   }
+  timeline_write(timeline);
   if (blockIdx.x == 0)
     for (int i = t; i < gamma; i += threads) head.tokens[i] = argmax_index(__ldcg(argmax_keys + i));
 }
@@ -1025,10 +1190,11 @@ HeadTokensPlan make_head_tokens_plan(int rank, int vocab, int hidden_size /* 0: 
   const int pieces = ceil_div(vocab, 16);
   plan.pieces = std::max(32, ceil_div(ceil_div(pieces, multiprocessor_count()), 4) * 4);
   plan.loads = rank / 8;
-  plan.shared_loads = std::max(0, plan.loads - kHeadTokensRegisterLoads);
+  plan.groups = ceil_div(plan.loads, 4);
+  plan.shared_loads = std::max(0, 4 * plan.groups - kHeadTokensRegisterLoads);
   const int threads = plan.pieces * 8, columns = plan.pieces * 16;
   const long fixed = long(plan.shared_loads) * threads * sizeof(uint4) + sizeof(float) * rank +
-                     (sizeof(int) + sizeof(float)) * columns;
+                     sizeof(short) * 32 * plan.groups + (sizeof(unsigned short) + sizeof(float)) * columns;
   const long limit = shared_memory_limit();
   long bytes = fixed;
   if (hidden_size > 0) {
@@ -1047,7 +1213,9 @@ HeadTokensPlan make_head_tokens_plan(int rank, int vocab, int hidden_size /* 0: 
 }  // namespace
 
 bool markov_head_tokens_supported(int rank, int vocab, int stride, int hidden_size) {
-  if (rank % 8 != 0 || stride % 16 != 0 || stride < vocab || (hidden_size > 0 && hidden_size % 32 != 0)) return false;
+  // rank <= 512: the integer sums (at most r * 32767 * 127) stay within int32.
+  if (rank % 8 != 0 || rank > 512 || stride % 16 != 0 || stride < vocab || (hidden_size > 0 && hidden_size % 32 != 0))
+    return false;
   const HeadTokensPlan plan = make_head_tokens_plan(rank, vocab, hidden_size);
   return plan.blocks > 0 && plan.blocks <= multiprocessor_count();
 }
@@ -1080,6 +1248,10 @@ void markov_head_tokens_forward(unsigned long long* argmax_keys, const float* lo
                    lm_head ? *lm_head : LmHeadIntervals{}, hidden, hidden_logits, gamma, rank, width, vocab, weights,
                    control, head, plan, counter);
   CUDA_CHECK_LAUNCH();
+}
+
+void set_markov_head_timeline(unsigned long long* stamps) {
+  CUDA_CHECK(cudaMemcpyToSymbol(head_timeline, &stamps, sizeof stamps));
 }
 
 bool markov_head_supported(int rows, int gamma, int rank, int vocab, const bf16* w2) {
