@@ -10,22 +10,20 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
-#include <string>
 #include <vector>
 
 #include "kernels/cuda/buffer.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/draft.h"
+#include "kernels/cuda/step_profiler.h"
 
 namespace dspark::cuda {
 
 class HeadTimeline {
  public:
   HeadTimeline() {
-    const char* value = std::getenv("DSPARK_HEAD_TIMELINE");
-    if (!value || std::string(value) != "1") return;
+    if (!environment_switch_on("DSPARK_HEAD_TIMELINE")) return;
     blocks_ = multiprocessor_count();
     stamps_.resize(size_t(blocks_) * kHeadTimelineSlots);
     host_.resize(stamps_.size());

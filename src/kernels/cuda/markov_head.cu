@@ -517,6 +517,16 @@ __device__ __forceinline__ void column_interval(float& upper, float& lower, floa
   lower = value - spread;
 }
 
+// The block's best lower end (-inf where it has none), in every thread: warps (= blockDim.x / 32) slots of
+// shared memory in per_warp. (cuda::block_max fills past the warps with -FLT_MAX, not -inf.)
+__device__ __forceinline__ float block_best_lower(float lower, float* per_warp, int warps) {
+  lower = warp_max(lower);
+  if ((threadIdx.x & 31) == 0) per_warp[threadIdx.x >> 5] = lower;
+  __syncthreads();
+  for (int w = 0; w < warps; ++w) lower = fmaxf(lower, per_warp[w]);
+  return lower;
+}
+
 // The candidates' U_k (INTERVALS), as the LM head's tensor-core GEMV forms it (tensor_gemv.cuh), `staged` (at
 // most 16) at a time: h_k and the candidates' weight rows come into shared memory (`staging`: the warps' sums
 // [kMmaWarps][4][32] f32, h_k [H] bf16, `staged` rows [H + kStagedRowPadding] bf16) in one round trip, then
@@ -720,11 +730,7 @@ __global__ void __launch_bounds__(kTokenThreads, 3)
     column_interval(upper[h], lower, base[h], base_reach[h], scale[h] * approximate, bound[h] * norm, slack);
     best_lower = fmaxf(best_lower, lower);
   }
-  best_lower = warp_max(best_lower);
-  if (lane == 0) warp_lower[slice] = best_lower;
-  __syncthreads();
-#pragma unroll
-  for (int w = 0; w < kInOutSlices; ++w) best_lower = fmaxf(best_lower, warp_lower[w]);
+  best_lower = block_best_lower(best_lower, warp_lower, kInOutSlices);
   if constexpr (INTERVALS) {  // the best lower end of all blocks
     if (threadIdx.x == 0) atomicMax(lm.lower_keys + k, ordered_bits(best_lower));
     grid_barrier(lm.barrier, lm.barrier + 1, gridDim.x);
@@ -1066,10 +1072,7 @@ __global__ void __launch_bounds__(kHeadTokensMaxThreads, 1)
       column_interval(upper[h], lower, base[h], base_reach[h], center[h], reach[h], slack);
       best_lower = fmaxf(best_lower, lower);
     }
-    best_lower = warp_max(best_lower);
-    if (lane == 0) warp_lower[warp] = best_lower;
-    __syncthreads();
-    for (int w = 0; w < threads / 32; ++w) best_lower = fmaxf(best_lower, warp_lower[w]);
+    best_lower = block_best_lower(best_lower, warp_lower, threads / 32);
     timeline_stamp(timeline, stage + 4);
     if constexpr (INTERVALS) {  // the best lower end of all blocks
       if (t == 0) atomicMax(lm.lower_keys + k, ordered_bits(best_lower));

@@ -21,10 +21,15 @@
 
 namespace dspark::cuda {
 
+// A development tool's switch: the environment variable is "1".
+inline bool environment_switch_on(const char* variable) {
+  const char* value = std::getenv(variable);
+  return value && std::string(value) == "1";
+}
+
 class StepProfiler {
  public:
-  StepProfiler(const char* variable, const char* label)
-      : enabled_(std::getenv(variable) && std::string(std::getenv(variable)) == "1"), label_(label) {}
+  StepProfiler(const char* variable, const char* label) : enabled_(environment_switch_on(variable)), label_(label) {}
   ~StepProfiler() {
     for (cudaEvent_t event : events_) cudaEventDestroy(event);
     if (!enabled_ || steps_ == 0) return;
