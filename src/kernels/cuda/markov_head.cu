@@ -802,10 +802,10 @@ __device__ __forceinline__ void timeline_write(const TimelineStamps& stamps) {
 // tokens kernel forms them. The blocks meet at a grid barrier
 // (counted_grid_barrier) when each position's keys are complete, and
 // (INTERVALS) once before, for the best lower end of all blocks. (At 576
-// threads a thread gets at most 96 registers; ptxas spills ~180 bytes a
-// thread of the INTERVALS kernel, likely much of the weights' registers,
-// which the sums then read back from memory at every position: docs/PERF.md,
-// stop 38.)
+// threads a thread gets at most 96 registers: the position's per-column
+// values pass through shared memory so that the weights' registers are not
+// spilled; ptxas reports 44 bytes spilled in the INTERVALS kernel, against
+// ~180 when a lane held those values: docs/PERF.md, stop 38.)
 //
 // Warp w holds pieces 4w .. 4w + 3, lane l piece 4w + l / 8 and the features
 // s, s + 8, ... (s = l % 8); the eight lanes of a piece then halve their
@@ -819,6 +819,7 @@ __device__ __forceinline__ void timeline_write(const TimelineStamps& stamps) {
 // position (docs/PERF.md, stop 38). The bound gains
 // ||e - e_scale e16|| * scale_v * ||q_v|| for the rounding of e.
 constexpr int kHeadTokensMaxThreads = 576;  // 72 pieces: Qwen3-8B's vocabulary over 132 multiprocessors
+constexpr int kColumnArrays = 5;            // a position's data a column (markov_head_tokens_kernel's column_data)
 constexpr int kHeadTokensRegisterLoads = 12;  // three groups of four loads
 constexpr int kLargestE16 = 32767;
 
@@ -888,6 +889,9 @@ __global__ void __launch_bounds__(kHeadTokensMaxThreads, 1)
   auto* candidates = reinterpret_cast<unsigned short*>(e16 + 32 * plan.groups);  // the block's columns: local indices
   float* candidate_base = reinterpret_cast<float*>(candidates + columns);
   unsigned char* staging = reinterpret_cast<unsigned char*>(candidate_base + columns);
+  // Over the staging, free until the candidates: the block's columns' scales, bounds, U (or its centers), and
+  // (INTERVALS) the LM-head rows' bounds and norms, [kColumnArrays][columns] f32, then ||h_k||, ||h_k - h'_k||.
+  float* column_data = reinterpret_cast<float*>(staging);
   __shared__ float warp_lower[kHeadTokensMaxThreads / 32];
   __shared__ int candidate_count;
   __shared__ unsigned long long block_key;
@@ -954,21 +958,22 @@ __global__ void __launch_bounds__(kHeadTokensMaxThreads, 1)
   for (int k = 0; k < gamma; ++k) {
     const int stage = 2 + k * kHeadTimelineStages;
     timeline_stamp(timeline, stage);
-    // The lane's two columns' scales and bounds (read again at each position: registers hold the weights) and U
-    // (INTERVALS: its center, and how far U can be from it), before the previous token is known.
-    float scale[2], bound[2], base[2], base_reach[2] = {};
+    // The block's columns' scales and bounds and U (INTERVALS: its center, and its row's bound and norm) into
+    // shared memory, before the previous token is known; read after the sums. (Held in registers across the sums
+    // they pushed the weights out of registers, and the sums read them back from memory at every position.)
+    for (int i = t; i < columns; i += threads) {
+      const long v = min(first_column + i, static_cast<long>(vocab - 1));
+      const float* sources[kColumnArrays] = {w2.scales + v, w2.bounds + v,
+                                             (INTERVALS ? lm.centers : logits) + static_cast<long>(k) * vocab + v,
+                                             lm.row_bounds + v, lm.row_norms + v};
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const long v = min(first_column + local + h, static_cast<long>(vocab - 1));
-      scale[h] = __ldg(w2.scales + v), bound[h] = __ldg(w2.bounds + v);
-      if constexpr (INTERVALS) {
-        base[h] = __ldcg(lm.centers + static_cast<long>(k) * vocab + v);
-        base_reach[h] = __ldcg(lm.activation_norms + k) * __ldg(lm.row_bounds + v) +
-                        __ldcg(lm.activation_norms + kQuantizedActivationRows + k) * __ldg(lm.row_norms + v);
-      } else {
-        base[h] = __ldcg(logits + static_cast<long>(k) * vocab + v);
-      }
+      for (int a = 0; a < (INTERVALS ? kColumnArrays : 3); ++a)
+        copy_to_shared_async<4>(column_data + a * columns + i, sources[a]);
     }
+    if (INTERVALS && t < 2)  // ||h_k|| and ||h_k - h'_k||
+      copy_to_shared_async<4>(column_data + kColumnArrays * columns + t,
+                              lm.activation_norms + t * kQuantizedActivationRows + k);
+    asm volatile("cp.async.commit_group;" ::: "memory");
     int token[1];
     markov_previous_tokens(token, argmax_keys, head, k, 0, 1, 1, vocab);
     // e_k = w1[x_{k-1}] (16 bytes a thread) is read beside the verdict's loads: one round trip for both.
@@ -999,6 +1004,7 @@ __global__ void __launch_bounds__(kHeadTokensMaxThreads, 1)
     for (int w = 0; w * 256 < rank; ++w) largest = fmaxf(largest, e_largest[w]);
     const float inverse_scale = largest > 0.0f ? kLargestE16 / largest : 0.0f;
     const float e_scale = largest / kLargestE16;
+    asm volatile("cp.async.wait_all;" ::: "memory");  // the columns' data, visible to all after the barrier
     if (warp * 256 < rank) {
       float square = 0.0f, rounding = 0.0f;
       if (t * 8 < rank) {
@@ -1056,11 +1062,17 @@ __global__ void __launch_bounds__(kHeadTokensMaxThreads, 1)
     float norm = 0.0f, rounding = 0.0f;  // ||e||_2 and ||e - e_scale e16||_2
     for (int w = 0; w * 256 < rank; ++w) norm += e_square[w], rounding += e_rounding[w];
     norm = sqrtf(norm) * (1.0f + slack), rounding = sqrtf(rounding) * (1.0f + slack);
-    float center[2], reach[2];
+    float center[2], reach[2], base[2], base_reach[2] = {};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      center[h] = scale[h] * (e_scale * static_cast<float>(approximate[h]));
-      reach[h] = bound[h] * norm + rounding * scale[h] * q_norm_bound + slack * fabsf(center[h]);
+      const int c = local + h;
+      const float scale = column_data[c], bound = column_data[columns + c];
+      base[h] = column_data[2 * columns + c];
+      if constexpr (INTERVALS)  // ||h_k|| bound_v + ||h_k - h'_k|| norm_v
+        base_reach[h] = column_data[kColumnArrays * columns] * column_data[3 * columns + c] +
+                        column_data[kColumnArrays * columns + 1] * column_data[4 * columns + c];
+      center[h] = scale * (e_scale * static_cast<float>(approximate[h]));
+      reach[h] = bound * norm + rounding * scale * q_norm_bound + slack * fabsf(center[h]);
     }
 
     float upper[2], best_lower = -INFINITY;
@@ -1105,6 +1117,7 @@ __global__ void __launch_bounds__(kHeadTokensMaxThreads, 1)
     counted_grid_barrier(counter, ++meetings);  // position k's key is complete
     timeline_stamp(timeline, stage + 9);
   }
+  asm volatile("cp.async.wait_all;" ::: "memory");  // no copy outlives the block (a break leaves one)
   timeline_write(timeline);
   if (blockIdx.x == 0)
     for (int i = t; i < gamma; i += threads) head.tokens[i] = argmax_index(__ldcg(argmax_keys + i));
@@ -1199,13 +1212,14 @@ HeadTokensPlan make_head_tokens_plan(int rank, int vocab, int hidden_size /* 0: 
   const long fixed = long(plan.shared_loads) * threads * sizeof(uint4) + sizeof(float) * rank +
                      sizeof(short) * 32 * plan.groups + (sizeof(unsigned short) + sizeof(float)) * columns;
   const long limit = shared_memory_limit();
-  long bytes = fixed;
+  long staging = long(sizeof(float)) * (kColumnArrays * columns + 2);  // at least the columns' data
   if (hidden_size > 0) {
     const long row_bytes = 2L * (hidden_size + kStagedRowPadding);
     const long left = limit - fixed - long(kWarpSumBytes) - 2L * hidden_size;
     plan.staged = int(std::clamp(left < 0 ? 0L : left / row_bytes, 0L, 16L));
-    bytes += long(kWarpSumBytes) + 2L * hidden_size + plan.staged * row_bytes;
+    staging = std::max(staging, long(kWarpSumBytes) + 2L * hidden_size + plan.staged * row_bytes);
   }
+  const long bytes = fixed + staging;
   const bool fits =
       rank % 8 == 0 && threads <= kHeadTokensMaxThreads && bytes <= limit && (hidden_size == 0 || plan.staged >= 1);
   plan.blocks = fits ? ceil_div(pieces, plan.pieces) : 0;
