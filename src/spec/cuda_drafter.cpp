@@ -265,16 +265,26 @@ void CudaDrafter::use_quantized_lm_head(bool on) {
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   destroy_graphs(graphs_);
   quantized_lm_head_ = on;
-  const int H = dims_.hidden_size, V = dims_.vocab_size;
+  const int H = dims_.hidden_size, V = dims_.vocab_size, d = config_.d_draft;
   if (!on || lm_head_values_.size() > 0 || quantized_stride_ == 0 || H % 32 != 0 || H > cuda::kMaxIntervalHidden ||
-      config_.gamma > cuda::kQuantizedActivationRows)
+      d % 32 != 0 || !cuda::lm_head_projection_reach_supported(d, H) || config_.gamma > cuda::kQuantizedActivationRows)
     return;  // built already, or the tokens-only head or the kernels do not apply: the full product stays
-  lm_head_values_.resize(size_t(V) * H);
-  lm_head_scales_.resize(V), lm_head_bounds_.resize(V), lm_head_norms_.resize(V);
-  cuda::quantize_rows_forward(lm_head_quantized(), head_.lm_head, V, H, cuda::kQuantizedProductSlack, stream_);
-  activation_values_.resize(size_t(2) * cuda::kQuantizedActivationRows * H);
+  {          // M = lm_head @ out_proj [V, d], in double, then at 8 bits (kernels/cuda/quantized_product.h)
+    cuda::DeviceBuffer<float> through(size_t(V) * d);
+    cuda::lm_head_through_projection_forward(through.data(), head_.lm_head, out_projection_.data(), V, H, d, stream_);
+    lm_head_values_.resize(size_t(V) * d);
+    lm_head_scales_.resize(V), lm_head_bounds_.resize(V), lm_head_norms_.resize(V);
+    cuda::quantize_rows_forward(lm_head_quantized(), through.data(), V, d, cuda::kQuantizedProductSlack, stream_);
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  lm_head_largest_norm_.resize(1);
+  cuda::largest_row_norm_forward(lm_head_largest_norm_.data(), head_.lm_head, V, H, stream_);
+  reach_sums_.resize(2 * cuda::kQuantizedActivationRows), reach_finished_.resize(1);
+  CUDA_CHECK(cudaMemsetAsync(reach_sums_.data(), 0, reach_sums_.bytes(), stream_));
+  CUDA_CHECK(cudaMemsetAsync(reach_finished_.data(), 0, reach_finished_.bytes(), stream_));
+  activation_values_.resize(size_t(2) * cuda::kQuantizedActivationRows * d);
   activation_scales_.resize(cuda::kQuantizedActivationRows);
-  activation_norms_.resize(2 * cuda::kQuantizedActivationRows);
+  activation_norms_.resize(3 * cuda::kQuantizedActivationRows);
   CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
@@ -880,11 +890,15 @@ void CudaDrafter::run_step(int rows, StepKind step) {
   cuda::matmul_forward(head_input_.data(), cuda::MatmulOutput::BF16, normed_.data(), out_projection_.data(), nullptr, R,
                        d, H, s, kAnyKernel);
   p.mark("out_proj gemm", s);
-  if (lm_head_intervals) {  // logits_ [γ, V]: the centers of U_k's intervals
+  if (lm_head_intervals) {  // logits_ [γ, V]: the centers of U_k's intervals, from out_proj's input x_k
     const cuda::QuantizedActivations activations{activation_values_.data(), activation_scales_.data(),
                                                  activation_norms_.data()};
-    cuda::quantize_activation_rows_forward(activations, head_input_.data(), R, H, s);
-    cuda::quantized_rows_product_forward(logits_.data(), lm_head_quantized(), activations, R, H, V, s);
+    cuda::quantize_activation_rows_forward(activations, normed_.data(), R, d, s);
+    cuda::lm_head_projection_reach_forward(activations, normed_.data(), out_projection_.data(), head_input_.data(), R,
+                                           d, H, lm_head_largest_norm_.data(), reach_sums_.data(),
+                                           reach_finished_.data(), s);
+    p.mark("lm head reach", s);
+    cuda::quantized_rows_product_forward(logits_.data(), lm_head_quantized(), activations, R, d, V, s);
     p.mark("lm head 8-bit", s);
   } else {
     // The row-invariant family: the tensor-core GEMV alone up to 16 rows, whose sums the tokens-only head

@@ -146,9 +146,10 @@ class CudaDrafter {
   // 8 bits and form the exact logit only where the argmax can be; off, they
   // form every logit (benchmarks: both give the same tokens).
   void use_quantized_head(bool on);
-  // On by default: those steps also read the target's LM head at 8 bits (kernels/cuda/quantized_product.h),
-  // from a copy made when first switched on (622 MB at Qwen3-8B's shape), and form its logits only where the
-  // argmax can be; off, they run its product over the whole vocabulary (tests: the same tokens).
+  // On by default: those steps also bound the LM head's logits from its product with out_proj at 8 bits
+  // (kernels/cuda/quantized_product.h), made when first switched on (155 MB at Qwen3-8B's shape), and form
+  // them only where the argmax can be; off, they run its product over the whole vocabulary (tests: the same
+  // tokens).
   void use_quantized_lm_head(bool on);
 
  private:
@@ -238,13 +239,16 @@ class CudaDrafter {
   cuda::DeviceBuffer<float> quantized_scales_, quantized_bounds_;  // [V]
   cuda::DeviceBuffer<bf16> quantized_exact_;                       // [V, r] slice-major columns
   int quantized_stride_ = 0;                                       // 0: none
-  // The target's LM head at 8 bits for those steps (use_quantized_lm_head; where H is a multiple of 32 and γ at
-  // most 8), 1 byte per weight beside the target's 2 (622 MB at Qwen3-8B's shape); the logits' intervals go
-  // into logits_.
-  cuda::DeviceBuffer<int8_t> lm_head_values_;                                  // [V, H]
+  // The target's LM head through out_proj, M = lm_head @ out_proj, at 8 bits for those steps (use_quantized_lm_head;
+  // where H is a multiple of 32 and γ at most 8; kernels/cuda/quantized_product.h): 1 byte per weight of [V, d]
+  // (155 MB at Qwen3-8B's shape); the logits' intervals go into logits_.
+  cuda::DeviceBuffer<int8_t> lm_head_values_;                                  // [V, d]
   cuda::DeviceBuffer<float> lm_head_scales_, lm_head_bounds_, lm_head_norms_;  // [V]
-  cuda::DeviceBuffer<int8_t> activation_values_;                    // [2, 8, H] the LM head's input h_k, two levels
-  cuda::DeviceBuffer<float> activation_scales_, activation_norms_;  // [8], [2, 8]
+  cuda::DeviceBuffer<unsigned> lm_head_largest_norm_;               // [1] the largest ||lm_head_v||, f32 bits
+  cuda::DeviceBuffer<double> reach_sums_;                           // [2, 8] lm_head_projection_reach_forward's scratch
+  cuda::DeviceBuffer<unsigned> reach_finished_;                     // [1]
+  cuda::DeviceBuffer<int8_t> activation_values_;                    // [2, 8, d] out_proj's input x_k, two levels
+  cuda::DeviceBuffer<float> activation_scales_, activation_norms_;  // [8], [3, 8]
   cuda::DeviceBuffer<float> recurrent_, recurrent_bias_;           // rnn.wH [r, r], bH [r] / gru.wJ [2r+d, 3r], bJ [3r]
   cuda::DeviceBuffer<float> confidence_weight_, confidence_bias_;  // [d + r], [1]
   cuda::DeviceBuffer<float> token_confidence_;                     // [V] w1[v] . conf.w[d:] (Markov head)

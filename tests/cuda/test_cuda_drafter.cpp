@@ -336,6 +336,8 @@ struct MarkovCase {
   bool ties = false;
   int H = 0;  // > 0: U from an LM head [V, H] with weights uniform in +-lm_scale
   float lm_scale = 1.0f;
+  int projected = 0;  // > 0 (D): the LM head's input is y = x @ P (x [γ, D], P [H, D] as the drafter's out_proj),
+                      // and U's intervals come through M = lm_head @ P (quantized_product.h)
 };
 
 // The Markov head's kernels on `cases` (MarkovHeadKernelsEqualThePrepareAndProductKernels says what they check).
@@ -369,12 +371,19 @@ void check_markov_heads(const std::vector<MarkovCase>& cases) {
         for (int row = 0; row < gamma * B; ++row) lm_logits[size_t(row) * V + v] = lm_logits[size_t(row) * V + v % 7];
       }
     }
-    // The LM head case: U = h @ lm_head (rows repeating every 7 for ties), and its intervals' inputs.
-    const int H = test.H;
+    // The LM head case: U = h @ lm_head (rows repeating every 7 for ties), and its intervals' inputs: the rows h
+    // themselves, or (projected) x with h = x @ P.
+    const int H = test.H, D = test.projected, width = D > 0 ? D : H;
     DeviceBuffer<bf16> lm_head(size_t(V) * H), lm_hidden = to_device_bf16(random_values(gamma * H, 800));
-    DeviceBuffer<int8_t> lm_values(size_t(V) * H), activation_values(2 * cuda::kQuantizedActivationRows * H);
+    DeviceBuffer<bf16> x_rows = to_device_bf16(random_values(size_t(gamma) * D, 810));
+    DeviceBuffer<bf16> projection = to_device_bf16(random_values(size_t(H) * D, 820, 0.05f));
+    DeviceBuffer<unsigned> largest_norm(1), reach_finished(1);
+    DeviceBuffer<double> reach_sums(2 * cuda::kQuantizedActivationRows);
+    CUDA_CHECK(cudaMemset(reach_finished.data(), 0, reach_finished.bytes()));
+    CUDA_CHECK(cudaMemset(reach_sums.data(), 0, reach_sums.bytes()));
+    DeviceBuffer<int8_t> lm_values(size_t(V) * width), activation_values(2 * cuda::kQuantizedActivationRows * width);
     DeviceBuffer<float> lm_scales(V), lm_bounds(V), lm_norms(V), activation_scales(cuda::kQuantizedActivationRows),
-        activation_norms(2 * cuda::kQuantizedActivationRows);
+        activation_norms(3 * cuda::kQuantizedActivationRows);
     DeviceBuffer<float> centers(size_t(gamma) * V);
     DeviceBuffer<unsigned> lower_keys(gamma);
     const cuda::QuantizedRows lm_rows{lm_values.data(), lm_scales.data(), lm_bounds.data(), lm_norms.data()};
@@ -389,6 +398,15 @@ void check_markov_heads(const std::vector<MarkovCase>& cases) {
                                           H,
                                           lower_keys.data(),
                                           barrier.data()};
+    auto make_intervals = [&] {  // the centers [γ, V] and the activations' norms
+      cuda::quantize_activation_rows_forward(activations, D > 0 ? x_rows.data() : lm_hidden.data(), gamma, width,
+                                             nullptr);
+      if (D > 0)
+        cuda::lm_head_projection_reach_forward(activations, x_rows.data(), projection.data(), lm_hidden.data(), gamma,
+                                               D, H, largest_norm.data(), reach_sums.data(), reach_finished.data(),
+                                               nullptr);
+      cuda::quantized_rows_product_forward(centers.data(), lm_rows, activations, gamma, width, V, nullptr);
+    };
     if (H > 0) {
       std::vector<uint16_t> bits(size_t(V) * H);
       uint32_t state = 12345u + uint32_t(H);
@@ -399,14 +417,24 @@ void check_markov_heads(const std::vector<MarkovCase>& cases) {
                                                : f32_to_bf16(test.lm_scale * float(2.0 * (state / 4294967296.0) - 1.0));
       }
       CUDA_CHECK(cudaMemcpy(lm_head.data(), bits.data(), lm_head.bytes(), cudaMemcpyHostToDevice));
+      if (D > 0)  // h = x @ P as the drafter's out_proj forms it
+        cuda::matmul_forward(lm_hidden.data(), cuda::MatmulOutput::BF16, x_rows.data(), projection.data(), nullptr,
+                             gamma, D, H, nullptr);
       DeviceBuffer<float> u(size_t(gamma) * V);
       cuda::matmul_forward(u.data(), cuda::MatmulOutput::F32, lm_hidden.data(), lm_head.data(), nullptr, gamma, H, V,
                            nullptr, cuda::FewRowKernels::DecodeFamily);
       lm_logits = from_device(u);
-      cuda::quantize_rows_forward(lm_rows, lm_head.data(), V, H, cuda::kQuantizedProductSlack, nullptr);
+      if (D > 0) {
+        DeviceBuffer<float> through(size_t(V) * D);
+        cuda::lm_head_through_projection_forward(through.data(), lm_head.data(), projection.data(), V, H, D, nullptr);
+        cuda::quantize_rows_forward(lm_rows, through.data(), V, D, cuda::kQuantizedProductSlack, nullptr);
+        cuda::largest_row_norm_forward(largest_norm.data(), lm_head.data(), V, H, nullptr);
+        CUDA_CHECK(cudaDeviceSynchronize());
+      } else {
+        cuda::quantize_rows_forward(lm_rows, lm_head.data(), V, H, cuda::kQuantizedProductSlack, nullptr);
+      }
       // Every U_k[v] within its interval.
-      cuda::quantize_activation_rows_forward(activations, lm_hidden.data(), gamma, H, nullptr);
-      cuda::quantized_rows_product_forward(centers.data(), lm_rows, activations, gamma, H, V, nullptr);
+      make_intervals();
       const auto center = from_device(centers), bound = from_device(lm_bounds), norm = from_device(lm_norms);
       const auto activation_norm = from_device(activation_norms);
       long outside = 0;
@@ -415,7 +443,8 @@ void check_markov_heads(const std::vector<MarkovCase>& cases) {
         for (int v = 0; v < V; ++v) {
           const size_t i = size_t(k) * V + v;
           const double reach = double(activation_norm[k]) * bound[v] +
-                               double(activation_norm[cuda::kQuantizedActivationRows + k]) * norm[v];
+                               double(activation_norm[cuda::kQuantizedActivationRows + k]) * norm[v] +
+                               double(activation_norm[2 * cuda::kQuantizedActivationRows + k]);
           outside += std::fabs(double(lm_logits[i]) - center[i]) > reach;
           widest = std::max(widest, reach);
           spread = std::max(spread, std::fabs(double(lm_logits[i])));
@@ -476,8 +505,7 @@ void check_markov_heads(const std::vector<MarkovCase>& cases) {
       if (intervals_kind) {  // U_k's intervals (the logits are not read)
         CUDA_CHECK(cudaMemset(lower_keys.data(), 0, lower_keys.bytes()));
         CUDA_CHECK(cudaMemset(logits.data(), 0xff, logits.bytes()));
-        cuda::quantize_activation_rows_forward(activations, lm_hidden.data(), gamma, H, nullptr);
-        cuda::quantized_rows_product_forward(centers.data(), lm_rows, activations, gamma, H, V, nullptr);
+        make_intervals();
       }
       if (one_launch_tokens_head(kind)) {
         CUDA_CHECK(cudaMemset(meetings.data(), 0, meetings.bytes()));
@@ -598,13 +626,17 @@ TEST(CudaDraftOps, MarkovTokensHeadWithTheLmHeadAsIntervals) {
   // Cases with an LM head (H > 0: U = h @ lm_head by the LM head's GEMV): every head as above, and the tokens-only
   // heads with U as intervals from the LM head's 8-bit rows (quantized_product.h), which first must hold U: Qwen3-8B's
   // shape with U large and small against e_k @ w2, small shapes (H 96: a chunk of 64 half past the row), and ties
-  // (more candidates a block than its shared memory stages at once).
-  check_markov_heads({MarkovCase{1, 256, 151936, Floor::Between, 1.0f, false, 4096, 1.0f},
-                      MarkovCase{1, 256, 151936, Floor::None, 1.0f, false, 4096, 0.02f},
-                      MarkovCase{1, 16, 1001, Floor::None, 1.0f, false, 64},
-                      MarkovCase{1, 16, 1001, Floor::None, 1.0f, false, 96},
-                      MarkovCase{1, 64, 3000, Floor::Between, 0.5f, true, 128},
-                      MarkovCase{1, 64, 3000, Floor::None, 1.0f, true, 4096}});
+  // (more candidates a block than its shared memory stages at once); then the same with U's input through a
+  // projection and the intervals from the LM head through it (M = lm_head @ P, D 1024 at Qwen3-8B's shape, as the
+  // drafter's out_proj).
+  check_markov_heads(
+      {MarkovCase{1, 256, 151936, Floor::Between, 1.0f, false, 4096, 1.0f},
+       MarkovCase{1, 256, 151936, Floor::None, 1.0f, false, 4096, 0.02f},
+       MarkovCase{1, 16, 1001, Floor::None, 1.0f, false, 64}, MarkovCase{1, 16, 1001, Floor::None, 1.0f, false, 96},
+       MarkovCase{1, 64, 3000, Floor::Between, 0.5f, true, 128}, MarkovCase{1, 64, 3000, Floor::None, 1.0f, true, 4096},
+       MarkovCase{1, 256, 151936, Floor::Between, 1.0f, false, 4096, 0.02f, 1024},
+       MarkovCase{1, 16, 1001, Floor::None, 1.0f, false, 96, 1.0f, 64},
+       MarkovCase{1, 64, 3000, Floor::None, 1.0f, true, 128, 1.0f, 32}});
 }
 
 TEST(CudaDraftOps, QuantizedRowsAreTheHostsQuantizedColumns) {

@@ -103,7 +103,8 @@ struct LmHeadIntervals {
   const float* centers;           // [γ, V] quantized_rows_product_forward's
   const float* row_bounds;        // [V] QuantizedRows::bounds
   const float* row_norms;         // [V] QuantizedRows::norms
-  const float* activation_norms;  // [2, 8] QuantizedActivations::norms of the rows h_k
+  const float* activation_norms;  // [3, 8] QuantizedActivations::norms of the rows the centers come from (h_k, or
+                                  // out_proj's input: quantized_product.h)
   const __nv_bfloat16* weight;    // [V, H] the LM head
   const __nv_bfloat16* hidden;    // [γ, H] its input rows h_k
   int hidden_size;                // H, a multiple of 32, at most kMaxIntervalHidden

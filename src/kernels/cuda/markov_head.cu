@@ -675,7 +675,8 @@ __global__ void __launch_bounds__(kTokenThreads, 3)
     if constexpr (INTERVALS) {
       base[h] = __ldcg(lm.centers + static_cast<long>(k) * vocab + v);
       base_reach[h] = __ldcg(lm.activation_norms + k) * row_bound[h] +
-                      __ldcg(lm.activation_norms + kQuantizedActivationRows + k) * row_norm[h];
+                      __ldcg(lm.activation_norms + kQuantizedActivationRows + k) * row_norm[h] +
+                      __ldcg(lm.activation_norms + 2 * kQuantizedActivationRows + k);
     } else {
       base[h] = __ldcg(logits + v);
     }
@@ -890,7 +891,8 @@ __global__ void __launch_bounds__(kHeadTokensMaxThreads, 1)
   float* candidate_base = reinterpret_cast<float*>(candidates + columns);
   unsigned char* staging = reinterpret_cast<unsigned char*>(candidate_base + columns);
   // Over the staging, free until the candidates: the block's columns' scales, bounds, U (or its centers), and
-  // (INTERVALS) the LM-head rows' bounds and norms, [kColumnArrays][columns] f32, then ||h_k||, ||h_k - h'_k||.
+  // (INTERVALS) the LM-head rows' bounds and norms, [kColumnArrays][columns] f32, then ||h_k||, ||h_k - h'_k||,
+  // reach_k.
   float* column_data = reinterpret_cast<float*>(staging);
   __shared__ float warp_lower[kHeadTokensMaxThreads / 32];
   __shared__ int candidate_count;
@@ -970,7 +972,7 @@ __global__ void __launch_bounds__(kHeadTokensMaxThreads, 1)
       for (int a = 0; a < (INTERVALS ? kColumnArrays : 3); ++a)
         copy_to_shared_async<4>(column_data + a * columns + i, sources[a]);
     }
-    if (INTERVALS && t < 2)  // ||h_k|| and ||h_k - h'_k||
+    if (INTERVALS && t < 3)  // ||h_k||, ||h_k - h'_k|| and the reach beyond (quantized_product.h)
       copy_to_shared_async<4>(column_data + kColumnArrays * columns + t,
                               lm.activation_norms + t * kQuantizedActivationRows + k);
     asm volatile("cp.async.commit_group;" ::: "memory");
@@ -1068,9 +1070,10 @@ __global__ void __launch_bounds__(kHeadTokensMaxThreads, 1)
       const int c = local + h;
       const float scale = column_data[c], bound = column_data[columns + c];
       base[h] = column_data[2 * columns + c];
-      if constexpr (INTERVALS)  // ||h_k|| bound_v + ||h_k - h'_k|| norm_v
+      if constexpr (INTERVALS)  // ||h_k|| bound_v + ||h_k - h'_k|| norm_v + reach_k
         base_reach[h] = column_data[kColumnArrays * columns] * column_data[3 * columns + c] +
-                        column_data[kColumnArrays * columns + 1] * column_data[4 * columns + c];
+                        column_data[kColumnArrays * columns + 1] * column_data[4 * columns + c] +
+                        column_data[kColumnArrays * columns + 2];
       center[h] = scale * (e_scale * static_cast<float>(approximate[h]));
       reach[h] = bound * norm + rounding * scale * q_norm_bound + slack * fabsf(center[h]);
     }
@@ -1212,7 +1215,7 @@ HeadTokensPlan make_head_tokens_plan(int rank, int vocab, int hidden_size /* 0: 
   const long fixed = long(plan.shared_loads) * threads * sizeof(uint4) + sizeof(float) * rank +
                      sizeof(short) * 32 * plan.groups + (sizeof(unsigned short) + sizeof(float)) * columns;
   const long limit = shared_memory_limit();
-  long staging = long(sizeof(float)) * (kColumnArrays * columns + 2);  // at least the columns' data
+  long staging = long(sizeof(float)) * (kColumnArrays * columns + 3);  // at least the columns' data
   if (hidden_size > 0) {
     const long row_bytes = 2L * (hidden_size + kStagedRowPadding);
     const long left = limit - fixed - long(kWarpSumBytes) - 2L * hidden_size;
