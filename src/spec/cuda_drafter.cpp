@@ -269,14 +269,13 @@ void CudaDrafter::use_quantized_lm_head(bool on) {
   if (!on || lm_head_values_.size() > 0 || quantized_stride_ == 0 || H % 32 != 0 || H > cuda::kMaxIntervalHidden ||
       d % 32 != 0 || !cuda::lm_head_projection_reach_supported(d, H) || config_.gamma > cuda::kQuantizedActivationRows)
     return;  // built already, or the tokens-only head or the kernels do not apply: the full product stays
-  {          // M = lm_head @ out_proj [V, d], in double, then at 8 bits (kernels/cuda/quantized_product.h)
-    cuda::DeviceBuffer<float> through(size_t(V) * d);
-    cuda::lm_head_through_projection_forward(through.data(), head_.lm_head, out_projection_.data(), V, H, d, stream_);
-    lm_head_values_.resize(size_t(V) * d);
-    lm_head_scales_.resize(V), lm_head_bounds_.resize(V), lm_head_norms_.resize(V);
-    cuda::quantize_rows_forward(lm_head_quantized(), through.data(), V, d, cuda::kQuantizedProductSlack, stream_);
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
-  }
+  // M = lm_head @ out_proj [V, d], in double, then at 8 bits (kernels/cuda/quantized_product.h); `through` outlives
+  // the synchronisation at the end.
+  cuda::DeviceBuffer<float> through(size_t(V) * d);
+  cuda::lm_head_through_projection_forward(through.data(), head_.lm_head, out_projection_.data(), V, H, d, stream_);
+  lm_head_values_.resize(size_t(V) * d);
+  lm_head_scales_.resize(V), lm_head_bounds_.resize(V), lm_head_norms_.resize(V);
+  cuda::quantize_rows_forward(lm_head_quantized(), through.data(), V, d, cuda::kQuantizedProductSlack, stream_);
   lm_head_largest_norm_.resize(1);
   cuda::largest_row_norm_forward(lm_head_largest_norm_.data(), head_.lm_head, V, H, stream_);
   reach_sums_.resize(2 * cuda::kQuantizedActivationRows), reach_finished_.resize(1);

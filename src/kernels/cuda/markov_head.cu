@@ -90,21 +90,32 @@ __device__ __forceinline__ unsigned long long global_nanoseconds() {
   return now;
 }
 
+__device__ __forceinline__ unsigned load_acquire(const unsigned* word) {
+  unsigned value;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(word) : "memory");
+  return value;
+}
+
+// The calling thread polls *word until done(value), and past kBarrierPatienceNanoseconds stops the kernel.
+template <class Done>
+__device__ __forceinline__ void poll_until(const unsigned* word, Done done) {
+  if (done(load_acquire(word))) return;
+  const unsigned long long start = global_nanoseconds();
+  for (unsigned now = load_acquire(word); !done(now); now = load_acquire(word))
+    if (global_nanoseconds() - start > kBarrierPatienceNanoseconds) __trap();
+}
+
 __device__ __forceinline__ void grid_barrier(unsigned* arrived, unsigned* generation, unsigned blocks) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    unsigned current, ticket, now;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(current) : "l"(generation) : "memory");
+    const unsigned current = load_acquire(generation);
+    unsigned ticket;
     asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(ticket) : "l"(arrived) : "memory");
     if (ticket == blocks - 1) {
       asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" ::"l"(arrived) : "memory");
       asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(generation) : "memory");
     } else {
-      const unsigned long long start = global_nanoseconds();
-      do {
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(generation) : "memory");
-        if (now == current && global_nanoseconds() - start > kBarrierPatienceNanoseconds) __trap();
-      } while (now == current);
+      poll_until(generation, [current](unsigned now) { return now != current; });
     }
   }
   __syncthreads();
@@ -123,15 +134,7 @@ __device__ __forceinline__ void counted_grid_barrier(unsigned* counter, unsigned
   if (threadIdx.x == 0) {
     const unsigned target = times * gridDim.x;
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
-    unsigned now;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(counter) : "memory");
-    if (now < target) {
-      const unsigned long long start = global_nanoseconds();
-      do {
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(counter) : "memory");
-        if (now < target && global_nanoseconds() - start > kBarrierPatienceNanoseconds) __trap();
-      } while (now < target);
-    }
+    poll_until(counter, [target](unsigned now) { return now >= target; });
   }
   __syncthreads();
 }
@@ -497,12 +500,13 @@ __device__ __forceinline__ void multiply_sixteen(float (&sums)[16], uint4 packed
 // each would wait for its own round trip.
 constexpr size_t kWarpSumBytes = sizeof(float) * kMmaWarps * 4 * 32;
 constexpr int kStagedRowPadding = 8;  // elements: rows g and g + 1 of a piece's load in different banks
+constexpr int kMaxStagedRows = 16;    // the mma's 16 weight rows
 
 // Candidate rows the slots hold at once beside the warps' sums and h_k (0: H too large).
 __host__ __device__ constexpr int staged_row_count(int hidden_size) {
   const long free = long(kTokenSlotBytes) - long(kWarpSumBytes) - 2L * hidden_size;
   const long rows = free < 0 ? 0 : free / (2L * (hidden_size + kStagedRowPadding));
-  return int(rows < 16 ? rows : 16);
+  return int(rows < kMaxStagedRows ? rows : kMaxStagedRows);
 }
 static_assert(staged_row_count(kMaxIntervalHidden) >= 1);
 
@@ -528,10 +532,10 @@ __device__ __forceinline__ float block_best_lower(float lower, float* per_warp, 
 }
 
 // The candidates' U_k (INTERVALS), as the LM head's tensor-core GEMV forms it (tensor_gemv.cuh), `staged` (at
-// most 16) at a time: h_k and the candidates' weight rows come into shared memory (`staging`: the warps' sums
-// [kMmaWarps][4][32] f32, h_k [H] bf16, `staged` rows [H + kStagedRowPadding] bf16) in one round trip, then
-// weight rows g and g + 8 of lane (g, c) of warps 0..7 are candidates first + g and first + g + 8, every column of
-// the activation tile is h_k, and column 0 is kept. Every thread of the block calls it.
+// most kMaxStagedRows) at a time: h_k and the candidates' weight rows come into shared memory (`staging`: the warps'
+// sums [kMmaWarps][4][32] f32, h_k [H] bf16, `staged` rows [H + kStagedRowPadding] bf16) in one round trip, then weight
+// rows g and g + 8 of lane (g, c) of warps 0..7 are candidates first + g and first + g + 8, every column of the
+// activation tile is h_k, and column 0 is kept. Every thread of the block calls it.
 __device__ __forceinline__ void lm_head_candidate_logits(float* candidate_base, const unsigned short* candidates,
                                                          int candidate_count, long first_column,
                                                          const LmHeadIntervals& lm, int k, unsigned char* staging,
@@ -849,8 +853,8 @@ __device__ __forceinline__ int round_to_e16(float value, float inverse_scale) {
   return min(max(__float2int_rn(value * inverse_scale), -kLargestE16), kLargestE16);
 }
 
-// sums[c] += e16 . (column c's four bytes) for the 16 columns of a transposed group; e_pairs: e16 of f0, f1 and
-// of f2, f3, the low halves first.
+// sums[c] += e16 . (column c's four bytes) for the 16 columns of a transposed group; low_pair, high_pair: e16 of
+// f0, f1 and of f2, f3, the lower feature in the low half.
 __device__ __forceinline__ void add_group(int (&sums)[16], const uint4 (&group)[4], int low_pair, int high_pair) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -859,6 +863,17 @@ __device__ __forceinline__ void add_group(int (&sums)[16], const uint4 (&group)[
     for (int m = 0; m < 4; ++m)
       sums[4 * j + m] = __dp2a_hi(high_pair, words[m], __dp2a_lo(low_pair, words[m], sums[4 * j + m]));
   }
+}
+
+// A lane and its partner (lane ^ bit, bit within a piece's eight lanes) split 2N sums: the lane whose slice has
+// `bit` keeps the upper N, the other the lower N, each plus the partner's share of them.
+template <int N>
+__device__ __forceinline__ void keep_half(const int (&sums)[2 * N], int (&kept)[N], int slice, int bit) {
+  const bool upper_half = slice & bit;
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    kept[i] =
+        (upper_half ? sums[N + i] : sums[i]) + __shfl_xor_sync(0xffffffffu, upper_half ? sums[i] : sums[N + i], bit);
 }
 
 struct HeadTokensPlan {
@@ -1040,26 +1055,11 @@ __global__ void __launch_bounds__(kHeadTokensMaxThreads, 1)
       for (int j = 0; j < 4; ++j) group[j] = cache[static_cast<long>(4 * g + j - kRegisters) * threads + t];
       add_group(sums, group, pair.x, pair.y);
     }
-    // The piece's eight lanes halve their sums: bit b of the slice keeps the upper half, the partner the lower.
+    // The piece's eight lanes halve their sums three times: lane s ends with columns 2s and 2s + 1.
     int half[8], quarter[4], approximate[2];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const bool upper_half = slice & 4;
-      half[i] =
-          (upper_half ? sums[8 + i] : sums[i]) + __shfl_xor_sync(0xffffffffu, upper_half ? sums[i] : sums[8 + i], 4);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const bool upper_half = slice & 2;
-      quarter[i] =
-          (upper_half ? half[4 + i] : half[i]) + __shfl_xor_sync(0xffffffffu, upper_half ? half[i] : half[4 + i], 2);
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const bool upper_half = slice & 1;
-      approximate[i] = (upper_half ? quarter[2 + i] : quarter[i]) +
-                       __shfl_xor_sync(0xffffffffu, upper_half ? quarter[i] : quarter[2 + i], 1);
-    }
+    keep_half(sums, half, slice, 4);
+    keep_half(half, quarter, slice, 2);
+    keep_half(quarter, approximate, slice, 1);
     timeline_stamp(timeline, stage + 3);
     float norm = 0.0f, rounding = 0.0f;  // ||e||_2 and ||e - e_scale e16||_2
     for (int w = 0; w * 256 < rank; ++w) norm += e_square[w], rounding += e_rounding[w];
@@ -1219,7 +1219,7 @@ HeadTokensPlan make_head_tokens_plan(int rank, int vocab, int hidden_size /* 0: 
   if (hidden_size > 0) {
     const long row_bytes = 2L * (hidden_size + kStagedRowPadding);
     const long left = limit - fixed - long(kWarpSumBytes) - 2L * hidden_size;
-    plan.staged = int(std::clamp(left < 0 ? 0L : left / row_bytes, 0L, 16L));
+    plan.staged = int(std::clamp(left < 0 ? 0L : left / row_bytes, 0L, long(kMaxStagedRows)));
     staging = std::max(staging, long(kWarpSumBytes) + 2L * hidden_size + plan.staged * row_bytes);
   }
   const long bytes = fixed + staging;
@@ -1258,13 +1258,13 @@ void markov_head_tokens_forward(unsigned long long* argmax_keys, const float* lo
     return true;
   }();
   (void)opted_in;
+  const int threads = plan.pieces * 8;
   const auto kernel = lm_head ? markov_head_tokens_kernel<true> : markov_head_tokens_kernel<false>;
   int per_multiprocessor = 0;  // the grid barrier needs every block resident at once
-  CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel, plan.pieces * 8, plan.shared_bytes));
-  DSPARK_CHECK(per_multiprocessor >= 1, "Markov head (tokens only, one launch): a block of ", plan.pieces * 8,
-               " threads and ", plan.shared_bytes, " bytes of shared memory cannot be resident");
-  launch_dependent(kernel, plan.blocks, plan.pieces * 8, plan.shared_bytes, stream, argmax_keys, logits, w2,
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel, threads, plan.shared_bytes));
+  DSPARK_CHECK(per_multiprocessor >= 1, "Markov head (tokens only, one launch): a block of ", threads, " threads and ",
+               plan.shared_bytes, " bytes of shared memory cannot be resident");
+  launch_dependent(kernel, plan.blocks, threads, plan.shared_bytes, stream, argmax_keys, logits, w2,
                    lm_head ? *lm_head : LmHeadIntervals{}, hidden, hidden_logits, gamma, rank, width, vocab, weights,
                    control, head, plan, counter);
   CUDA_CHECK_LAUNCH();

@@ -305,13 +305,11 @@ __global__ void __launch_bounds__(kReachWarps * 32)
   extern __shared__ double reach_shared[];  // x [rows][D], then the warps' parts [kReachWarps][rows][32]
   double* staged_x = reach_shared;
   double* parts = reach_shared + rows * D;
-  __shared__ double block_sums[2][kQuantizedActivationRows];
+  __shared__ double block_sums[2][kQuantizedActivationRows];  // [rows]: a row's residual, then its y'
   wait_for_previous_kernel();  // x and y are earlier kernels' outputs
   start_next_kernel();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, i = blockIdx.x * kReachOutputs + lane;
   for (int e = threadIdx.x; e < rows * D; e += blockDim.x) staged_x[e] = __bfloat162float(x[e]);
-  if (threadIdx.x < 2 * kQuantizedActivationRows)
-    block_sums[threadIdx.x / kQuantizedActivationRows][threadIdx.x % kQuantizedActivationRows] = 0.0;
   __syncthreads();
   double dot[kQuantizedActivationRows] = {};
   const int length = reach_part_length(D), begin = warp * length, end = min(begin + length, D);
@@ -352,13 +350,7 @@ __global__ void __launch_bounds__(kReachWarps * 32)
   if (threadIdx.x < rows)
     atomicAdd(&sums[threadIdx.x], block_sums[0][threadIdx.x]),
         atomicAdd(&sums[kQuantizedActivationRows + threadIdx.x], block_sums[1][threadIdx.x]);
-  __threadfence();
-  __shared__ bool last;
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(finished, 1) == gridDim.x - 1;
-  __syncthreads();
-  if (!last || threadIdx.x >= kQuantizedActivationRows) return;
-  __threadfence();
+  if (!took_last_ticket(finished, gridDim.x) || threadIdx.x >= kQuantizedActivationRows) return;
   const int r = threadIdx.x;
   const double residual_norm = sqrt(__ldcg(&sums[r])), norm = sqrt(__ldcg(&sums[kQuantizedActivationRows + r]));
   const double largest = __uint_as_float(*lm_row_norm);
