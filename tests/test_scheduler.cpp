@@ -3,6 +3,7 @@
 // confidences, and the measured SPS profile with its cache file.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <functional>
 #include <string>
@@ -190,10 +191,11 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
   PrefixScheduler dear(flat, DraftCostProfile{{1}, {0.1}});
   EXPECT_EQ(gate_pattern(dear, 19, good, good), "D.D..D....D........");
   // Near the break-even point (10 ms): poor rounds gain 0.525, good ones 1.355;
-  // the smoothed gain goes 0.525, 0.94, 1.15, 1.25, 1.30: drafting resumes every round.
+  // the gain, smoothed by quarters, goes 0.525, 0.73, 0.89, 1.006: drafting
+  // resumes every round.
   PrefixScheduler even(flat, DraftCostProfile{{1}, {0.01}});
-  EXPECT_EQ(gate_pattern(even, 8, poor, good), "D.D..DDD");
-  EXPECT_NEAR(even.gain(), 0.0625 * 0.525 + 0.9375 * 1.355, 1e-6);
+  EXPECT_EQ(gate_pattern(even, 14, poor, good), "D.D..D....DDDD");
+  EXPECT_NEAR(even.gain(), 1.355 - (1.355 - 0.525) * std::pow(0.75, 6), 1e-6);  // six good rounds
   // Four rows: a closed gate probes with one row, whose round is scaled to
   // four for the estimate (the same gain as four such rows drafting), and
   // verifies none of its drafts (the round stays a plain step).
@@ -236,6 +238,22 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
   shut.schedule(probe, verify);
   for (int round = 0; round < 512 - 55; ++round) ASSERT_EQ(shut.rows_to_draft(Outlook(std::vector<int>(4, 64))), 0);
   EXPECT_EQ(shut.rows_to_draft(Outlook(std::vector<int>(4, 64))), 1);
+  // A near miss (a gain of 0.9 or more) looks again after at most 128 plain
+  // rounds: here four rows gain 10.84 / (10 + 4 x 4.57 ms) / 400 = 0.958.
+  PrefixScheduler near(flat, DraftCostProfile{{1}, {0.00457}});
+  std::vector<int> near_runs;
+  plain_run = 0;
+  for (int round = 0; round < 393; ++round) {
+    if (near.rows_to_draft(Outlook(std::vector<int>(4, 64))) == 0) {
+      ++plain_run;
+      continue;
+    }
+    near.schedule(probe, verify);
+    if (plain_run > 0) near_runs.push_back(plain_run);
+    plain_run = 0;
+  }
+  EXPECT_GT(near.gain(), 0.9);
+  EXPECT_EQ(near_runs, (std::vector<int>{1, 2, 4, 8, 16, 32, 64, 128, 128}));
   // Without a draft cost profile the gate never closes (Alg 1 alone).
   PrefixScheduler alone(flat);
   for (int round = 0; round < 4; ++round) {
@@ -247,7 +265,8 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
 // The gate times the rounds it runs: drafted rounds that take longer than the
 // profiles predict (a ragged verify that replays no graph) close it although
 // the profiles say drafting pays; undrafted rounds that cost more than the
-// profile's plain step make drafting look better by as much.
+// profile's plain step make drafting look better by as much. A cost ratio is
+// the median of the last five timed rounds of its kind, from the third on.
 TEST(PrefixScheduler, GateScalesItsEstimateByTimedRounds) {
   const SpsProfile flat = profile({1, 1000}, {100.0, 100.0});  // 10 ms steps
   std::vector<Proposal> good(1);
@@ -257,11 +276,17 @@ TEST(PrefixScheduler, GateScalesItsEstimateByTimedRounds) {
   std::vector<int> verify;
   // The profiles predict 10 + 1 ms a round (gain 2.46); each drafted round takes 40 ms.
   PrefixScheduler slow(flat, DraftCostProfile{{1}, {0.001}});
-  // gain: 2.46 while nothing is timed (the first round has no drafted round
-  // before it), then half way to 2.71 / 40 ms / 100 = 0.68 each drafted round.
-  EXPECT_EQ(gate_pattern(slow, 12, good, good, [](bool drafted) { return drafted ? 0.040 : 0.010; }), "DDDDD.D..D..");
+  // gain: 2.46 until three drafted rounds are timed (the first round has no
+  // drafted round before it), then a quarter of the way to 2.71 / 40 ms / 100
+  // = 0.68 each drafted round.
+  EXPECT_EQ(gate_pattern(slow, 12, good, good, [](bool drafted) { return drafted ? 0.040 : 0.010; }), "DDDDDDDDDD.D");
   const double untimed_gain = e_good / 0.011 / 100, timed_gain = e_good / 0.040 / 100;
-  EXPECT_NEAR(slow.gain(), timed_gain + (untimed_gain - timed_gain) / 32, 1e-6);
+  EXPECT_NEAR(slow.gain(), timed_gain + (untimed_gain - timed_gain) * std::pow(0.75, 7), 1e-6);
+  // One slow round among timed ones that keep to the prediction moves nothing (a median).
+  PrefixScheduler lone(flat, DraftCostProfile{{1}, {0.001}});
+  int drafted = 0;
+  EXPECT_EQ(gate_pattern(lone, 8, good, good, [&](bool) { return ++drafted == 4 ? 0.040 : 0.011; }), "DDDDDDDD");
+  EXPECT_NEAR(lone.gain(), untimed_gain, 1e-6);
   // A round far slower than predicted (4x: a graph being captured) is not counted.
   PrefixScheduler one_off(flat, DraftCostProfile{{1}, {0.001}});
   for (int round = 0; round < 3; ++round) {
@@ -270,6 +295,14 @@ TEST(PrefixScheduler, GateScalesItsEstimateByTimedRounds) {
     one_off.observe_round(0.5);
   }
   EXPECT_NEAR(one_off.gain(), untimed_gain, 1e-6);
+  // Nor is a round that ran a shape for one of its first times (warming up).
+  PrefixScheduler warming(flat, DraftCostProfile{{1}, {0.001}});
+  for (int round = 0; round < 6; ++round) {
+    ASSERT_EQ(warming.rows_to_draft(one), 1);
+    warming.schedule(good, verify);
+    warming.observe_round(0.040, /*warming_up=*/true);
+  }
+  EXPECT_NEAR(warming.gain(), untimed_gain, 1e-6);
   // Undrafted rounds at 20 ms (twice the plain step the profile measured): a
   // drafted round at 30 ms against them gains 2.71 / 30 ms over 1 / 20 ms.
   PrefixScheduler dear_plain(flat, DraftCostProfile{{1}, {0.001}});
@@ -282,31 +315,35 @@ TEST(PrefixScheduler, GateScalesItsEstimateByTimedRounds) {
     dear_plain.schedule(good, verify);
     dear_plain.observe_round(0.030);
   }
+  // (the drafted rounds' ratio counts from the fourth: the first is untimed)
   const double against_timed = e_good / 0.030 / (1 / 0.020), untimed = e_good / 0.011 / (1 / 0.020);
-  EXPECT_NEAR(dear_plain.gain(), against_timed + (untimed - against_timed) / 64, 1e-6);
+  EXPECT_NEAR(dear_plain.gain(), against_timed + (untimed - against_timed) * std::pow(0.75, 4), 1e-6);
   // A drafted round that also takes in a new request's prompt (continuous
-  // batching) is timed against its prediction plus those tokens' cost:
-  // SPS(B) here is 10 ms + 0.1 ms a token, so 20 riding tokens add 2 ms to
-  // the 10.2 + 1 ms of a one-row round verifying two drafts. An undrafted
-  // round that admits is not timed at all.
+  // batching) replays no graph either, and plain decoding pays that per
+  // request too. Where few drafted rounds admit, such a round is not timed;
+  // where most do (a large batch: requests finish every round) it is,
+  // against its prediction plus the riding tokens' cost. SPS(B) here is 10 ms
+  // + 0.1 ms a token. Two rows (one of them admitted this round, not
+  // drafting, where the round admits): 10.3 ms for B = 4, + 2 ms for 20
+  // riding tokens, + D(2) = 2 ms; two drafting rows: 10.5 + 2 ms.
   const SpsProfile sloped = profile({1, 1001}, {100.0, 1.0 / (0.01 + 1000 * 0.0001)});
-  const double g0 = e_good / (0.0102 + 0.001) / 100;  // the untimed gain
-  auto admitting = [&](double drafted_seconds, double undrafted_seconds) {
+  const double g0 = e_good * 0.0101 / 0.0125;  // the untimed gain: 2 e / 12.5 ms against 2 rows / 10.1 ms
+  auto admitting = [&](int admitting_every) {  // admitting rounds at twice their prediction, 40 rounds
     PrefixScheduler scheduler(sloped, DraftCostProfile{{1}, {0.001}});
-    EXPECT_EQ(scheduler.rows_to_draft(Outlook({64})), 1);
-    scheduler.schedule(good, verify);  // (untimed: no drafted round before it)
-    scheduler.observe_round(1.0);
-    EXPECT_EQ(scheduler.rows_to_draft(Outlook({61}, 5, 1, 20)), 1);
-    scheduler.schedule(good, verify);
-    scheduler.observe_round(drafted_seconds);
-    EXPECT_EQ(scheduler.rows_to_draft(Outlook({58}, 4, 1, 30)), 1);
-    scheduler.observe_round(undrafted_seconds);  // undrafted (schedule() not called)
-    EXPECT_EQ(scheduler.rows_to_draft(Outlook({57})), 1);
-    scheduler.schedule(good, verify);
+    for (int round = 0; round < 40; ++round) {
+      const bool admits = round % admitting_every == 0;
+      EXPECT_EQ(scheduler.rows_to_draft(admits ? Outlook({61}, 5, 1, 20) : Outlook({61, 61}, 5)), admits ? 1 : 2);
+      scheduler.schedule(admits ? std::vector<Proposal>{good[0], Proposal{}} : std::vector<Proposal>{good[0], good[0]},
+                         verify);
+      scheduler.observe_round(admits ? 2 * 0.0143 : 0.0125);
+    }
     return scheduler.gain();
   };
-  EXPECT_NEAR(admitting(0.0132, 0.02), g0, 1e-6);                       // as predicted: the gain stays
-  EXPECT_NEAR(admitting(0.0264, 0.02), 0.5 * g0 + 0.5 * g0 / 2, 1e-6);  // twice that: drafting costs 2x
+  EXPECT_NEAR(admitting(4), g0, 1e-6);  // a quarter admit: those are not timed
+  // Every round admits: rounds 11 on are timed (a share of 1 - (15/16)^11 >=
+  // 1/2), the ratio counts from the third of them, and the gain moves a
+  // quarter of the way to g0 / 2 in each of the 26 rounds left.
+  EXPECT_NEAR(admitting(1), g0 / 2 + g0 / 2 * std::pow(0.75, 26), 1e-6);
 }
 
 // A batch runs until its last row is done, so the gate's estimate follows
@@ -348,6 +385,35 @@ TEST(PrefixScheduler, GainFollowsTheRowThatHoldsTheBatch) {
   EXPECT_NEAR(replaced_probe.gain(), 2 * e_good / (0.01 + 0.001) / 200, 1e-6);
 }
 
+// A shut gate's probe drafts one row of R and verifies none of it; for the
+// estimate that row stands for all R, as Alg 1 would schedule R copies of
+// its confidences. Alone beside R - 1 pending tokens it would verify less:
+// here the step time jumps from 10 to 11 ms at B = 6, which a second
+// position (survival 0.45) does not pay for and another row's first (0.9) does.
+TEST(PrefixScheduler, ProbeStandsForEveryRowAsAlg1WouldScheduleThem) {
+  const SpsProfile jump = profile({1, 4, 5, 6, 32}, {100.0, 100.0, 100.0, 1 / 0.011, 1 / 0.011});
+  Proposal poor, probe_row;
+  poor.tokens = {1}, poor.confidence = {0.05f};
+  probe_row.tokens = {1, 2}, probe_row.confidence = {0.9f, 0.5f};
+  PrefixScheduler scheduler(jump, DraftCostProfile{{1}, {0.0001}});  // D(4) = 0.4 ms
+  const Outlook four(std::vector<int>(4, 64), /*waiting=*/8);
+  std::vector<int> verify;
+  // Four poor rows: Alg 1 verifies one draft (B = 5, 10 ms), the gain falls below 1.
+  ASSERT_EQ(scheduler.rows_to_draft(four), 4);
+  scheduler.schedule(std::vector<Proposal>(4, poor), verify);
+  EXPECT_EQ(verify, (std::vector<int>{1, 0, 0, 0}));
+  const double first = (4 + double(0.05f)) / 0.0104 / 400;
+  EXPECT_NEAR(scheduler.gain(), first, 1e-9);
+  ASSERT_EQ(scheduler.rows_to_draft(four), 0);
+  ASSERT_EQ(scheduler.rows_to_draft(four), 1);  // the probe
+  scheduler.schedule(std::vector<Proposal>{probe_row, Proposal{}, Proposal{}, Proposal{}}, verify);
+  EXPECT_EQ(verify, (std::vector<int>{0, 0, 0, 0}));  // not verified
+  // Four copies: every first position, then every second (B = 12, 11 ms),
+  // e = 1 + 0.9 + 0.45 a row; alone the row would have verified one (e = 1.9).
+  const double e = 1 + double(0.9f) + double(0.9f) * double(0.5f);
+  EXPECT_NEAR(scheduler.gain(), 0.75 * first + 0.25 * (4 * e / 0.0114 / 400), 1e-9);
+}
+
 // The slowest row is judged by its pace over the rounds it drafted, not by
 // one round's confidences: two rows that take turns at a good and a poor
 // round each emit (e_good + e_poor) / 2 a round on average, and the batch
@@ -368,7 +434,7 @@ TEST(PrefixScheduler, SlowestRowIsJudgedByItsSmoothedPace) {
   ASSERT_EQ(turns.rows_to_draft(Outlook({60, 62})), 2);
   turns.schedule(std::vector<Proposal>{poor, good}, verify);
   const double paced = (e_good + e_poor) / 2;  // each row's smoothed e_r
-  EXPECT_NEAR(turns.gain(), 0.5 * gain_of(e_poor) + 0.5 * gain_of(paced), 1e-6);
+  EXPECT_NEAR(turns.gain(), 0.75 * gain_of(e_poor) + 0.25 * gain_of(paced), 1e-6);
   // A probe's one row stands for the slowest of both by the share the
   // slowest took of the rows' mean pace where both drafted.
   PrefixScheduler probed(flat, DraftCostProfile{{1}, {0.0001}});
@@ -377,20 +443,20 @@ TEST(PrefixScheduler, SlowestRowIsJudgedByItsSmoothedPace) {
   const double share = e_poor / ((e_good + e_poor) / 2);
   ASSERT_EQ(probed.rows_to_draft(Outlook({63, 63})), 2);
   probed.schedule(std::vector<Proposal>{good, Proposal{}}, verify);
-  EXPECT_NEAR(probed.gain(), 0.5 * gain_of(e_poor) + 0.5 * gain_of(e_good * share), 1e-6);
+  EXPECT_NEAR(probed.gain(), 0.75 * gain_of(e_poor) + 0.25 * gain_of(e_good * share), 1e-6);
   // At four rows, where no round has had every row draft yet, the share
   // measured at two stands in (the slowest of more rows is slower still).
   const double before = probed.gain();
   ASSERT_EQ(probed.rows_to_draft(Outlook(std::vector<int>(4, 62))), 4);
   probed.schedule(std::vector<Proposal>{good, Proposal{}, Proposal{}, Proposal{}}, verify);
-  EXPECT_NEAR(probed.gain(), 0.5 * before + 0.5 * e_good * share / (0.01 + 0.0004) / 100, 1e-6);
+  EXPECT_NEAR(probed.gain(), 0.75 * before + 0.25 * e_good * share / (0.01 + 0.0004) / 100, 1e-6);
   // A request that starts under a row's id (a longer remaining length) starts its pace afresh.
   PrefixScheduler reused(flat, DraftCostProfile{{1}, {0.0001}});
   ASSERT_EQ(reused.rows_to_draft(Outlook({4, 4})), 2);
   reused.schedule(std::vector<Proposal>{good, good}, verify);
   ASSERT_EQ(reused.rows_to_draft(Outlook({64, 64})), 2);
   reused.schedule(std::vector<Proposal>{poor, poor}, verify);
-  EXPECT_NEAR(reused.gain(), 0.5 * gain_of(e_good) + 0.5 * gain_of(e_poor), 1e-6);
+  EXPECT_NEAR(reused.gain(), 0.75 * gain_of(e_good) + 0.25 * gain_of(e_poor), 1e-6);
 }
 
 TEST(DraftCostProfile, MeasuredForTheSourceAndCachedBesideSps) {

@@ -141,6 +141,7 @@ class CudaTarget final : public Target {
   void truncate_sequence(int sequence, int length) override;
   void forward(std::span<const TargetInput> inputs, const TargetRequest& request, TargetResult& result) override;
   int row_invariant_rows() const override { return cuda::kRowInvariantRows; }
+  long warm_up_runs() const override { return warm_up_runs_; }
   CudaTargetHead head() const { return {embed_tokens_.data(), lm_head_, stream_}; }
 
  private:
@@ -213,6 +214,7 @@ class CudaTarget final : public Target {
   const int profiled_tokens_ = std::getenv("DSPARK_PROFILE_TOKENS") ? std::atoi(std::getenv("DSPARK_PROFILE_TOKENS")) : 1;
   std::map<StepShape, cudaGraphExec_t> graphs_;
   std::map<StepShape, int> eager_runs_;  // a shape is captured on its second use
+  long warm_up_runs_ = 0;                // forwards that ran a graphable shape eagerly or captured it
 };
 
 CudaTarget::CudaTarget(const std::filesystem::path& directory) {
@@ -609,6 +611,7 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
   if (graphable && eager_runs_[shape] >= 1 && !profiler_.enabled()) {
     auto found = graphs_.find(shape);
     if (found == graphs_.end()) {
+      ++warm_up_runs_;
       cudaGraph_t graph;
       CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
       run_step(shape, shape.taps, false);
@@ -621,7 +624,7 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
     CUDA_CHECK(cudaGraphLaunch(found->second, stream_));
   } else {
     run_step(shape, request.taps, score);
-    if (graphable) ++eager_runs_[shape];
+    if (graphable) ++eager_runs_[shape], ++warm_up_runs_;
     profiler_.finish_step(shape.tokens == profiled_tokens_ * shape.sequences);
   }
   const float* taps = taps_.data();

@@ -88,6 +88,11 @@ class Target {
   // a verify row then equals the same token decoded alone, and greedy
   // speculative output is plain output bit for bit.
   virtual int row_invariant_rows() const = 0;
+
+  // Forwards so far that ran a step's shape for one of its first times
+  // (eagerly, or capturing it as a CUDA graph): work paid once per shape,
+  // which timing a round to predict later ones should leave out.
+  virtual long warm_up_runs() const { return 0; }
 };
 
 // "cpu", "cuda", or "auto" (cuda when a GPU is present and the build has CUDA).

@@ -788,6 +788,7 @@ void CudaDrafter::draft_chunk(std::span<const CudaDraftRequest> requests, const 
 }
 
 cudaGraphExec_t CudaDrafter::capture(const std::function<void()>& work) {
+  ++warm_up_runs_;  // (each capture follows the shape's eager first pass)
   cudaStream_t s = stream_;
   cudaGraph_t captured = nullptr;
   CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));

@@ -96,6 +96,8 @@ class CudaDrafter {
   CudaDrafter& operator=(const CudaDrafter&) = delete;
 
   const DrafterConfig& config() const { return config_; }
+  // Passes so far that ran a shape eagerly and captured it (Target::warm_up_runs).
+  long warm_up_runs() const { return warm_up_runs_; }
   const TargetDims& dims() const { return dims_; }
   cudaStream_t stream() const { return stream_; }
 
@@ -215,6 +217,7 @@ class CudaDrafter {
   int multiprocessors_ = 0;
   cudaStream_t stream_ = nullptr;
   bool use_graphs_ = true;
+  long warm_up_runs_ = 0;
   bool one_launch_head_ = true;
   bool quantized_head_ = true;
   bool quantized_lm_head_ = false;

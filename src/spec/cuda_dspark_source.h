@@ -18,6 +18,7 @@ class CudaDSparkSource final : public DraftSource {
                    bool calibrated_thresholds = true)
       : drafter_(drafter, head), min_confidence_(min_confidence), calibrated_thresholds_(calibrated_thresholds) {}
   std::vector<int> tap_layers() const override { return drafter_.config().tap_layers; }
+  long warm_up_runs() const override { return drafter_.warm_up_runs(); }
   void begin(int row, std::span<const int32_t> prompt, uint64_t seed) override;
   void accept(int row, std::span<const int32_t> tokens, const float* tapped_rows) override;
   // The CUDA target's device taps: converted on the device, never copied to the host.

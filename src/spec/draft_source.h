@@ -26,6 +26,9 @@ class DraftSource {
 
   // Target hidden-state taps the source reads (DESIGN §2), or none.
   virtual std::vector<int> tap_layers() const { return {}; }
+  // As Target::warm_up_runs: drafting passes so far that ran a shape for its
+  // first time (eagerly, then capturing it).
+  virtual long warm_up_runs() const { return 0; }
 
   // A new request in batch slot `row`; `seed` fixes its random stream.
   virtual void begin(int row, std::span<const int32_t> prompt, uint64_t seed) = 0;

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "core/error.h"
@@ -25,6 +26,12 @@ namespace dspark {
 // less often (once in 128 rounds cost that batch 3% of its time).
 constexpr int kMaxUndraftedRoundsAlone = 32;
 constexpr int kMaxUndraftedRounds = 512;
+// A gate shut by a near miss (its estimate at least this) looks again after
+// at most kMaxUndraftedRoundsNear plain rounds (scheduler.h).
+constexpr double kNearMiss = 0.9;
+constexpr int kMaxUndraftedRoundsNear = 128;
+constexpr double kGainWeight = 0.25;           // each round's estimate moves the gain a quarter of the way
+constexpr double kAdmittingWeight = 1.0 / 16;  // ... and the share of drafted rounds that admit
 constexpr double kOneOffRatio = 4.0;  // observe_round ignores rounds that took longer than this x their prediction
 
 namespace {
@@ -33,6 +40,15 @@ namespace {
 // drafter) counts as 0: std::clamp would pass it through, and NaN breaks the
 // walk's sort order.
 double survival_factor(double confidence) { return confidence > 0.0 ? std::min(confidence, 1.0) : 0.0; }
+
+// DSPARK_GATE_LOG=1: the gate's estimates and timed rounds on stderr.
+bool gate_log() {
+  static const bool on = [] {
+    const char* value = std::getenv("DSPARK_GATE_LOG");
+    return value && *value && std::string(value) != "0";
+  }();
+  return on;
+}
 
 // Steps per second at `count` from measured (points, rates): the step time
 // interpolated linearly, extrapolated linearly (never decreasing) past the last.
@@ -568,21 +584,34 @@ double PrefixScheduler::slowest_share() const {
   return 1.0;
 }
 
-void PrefixScheduler::SmoothedRatio::add(double ratio) {
-  value = measured ? 0.5 * value + 0.5 * ratio : ratio;
+void PrefixScheduler::SmoothedRatio::add(double ratio, double weight) {
+  value = measured ? value + weight * (ratio - value) : ratio;
   measured = true;
 }
 
-void PrefixScheduler::observe_round(double seconds) {
-  SmoothedRatio* timed = std::exchange(timed_, nullptr);
-  if (!draft_cost_ || !timed || seconds <= 0.0) return;
-  // A round far off its prediction is a one-off (the CUDA target captures a
-  // step's graph on the shape's second use, ~10x a step), not what the next
-  // rounds will cost: counting it could keep the gate shut for good, since
-  // only rounds where every row drafts are timed against the drafted
-  // prediction.
+void PrefixScheduler::RecentMedian::add(double ratio) {
+  recent[count++ % kRecent] = ratio;
+  const int n = std::min(count, kRecent);
+  double sorted[kRecent];
+  for (int i = 0; i < n; ++i) {  // (insertion: five values at most)
+    int j = i;
+    for (; j > 0 && sorted[j - 1] > recent[i]; --j) sorted[j] = sorted[j - 1];
+    sorted[j] = recent[i];
+  }
+  if (n >= kTrusted) value = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+}
+
+void PrefixScheduler::observe_round(double seconds, bool warming_up) {
+  RecentMedian* timed = std::exchange(timed_, nullptr);
+  if (!draft_cost_ || !timed || seconds <= 0.0 || warming_up) return;
+  // A round that warmed a shape up, or far off its prediction for another
+  // reason, is a one-off, not what the next rounds will cost (scheduler.h).
   const double ratio = seconds / predicted_seconds_;
   if (ratio <= kOneOffRatio) timed->add(ratio);
+  if (gate_log())
+    std::fprintf(stderr, "gate timed %s round: %.4f ms, predicted %.4f, ratio %.3f -> %.3f\n",
+                 timed == &drafted_cost_ ? "drafted" : "undrafted", 1e3 * seconds, 1e3 * predicted_seconds_, ratio,
+                 timed->value);
 }
 
 void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<int>& verify) {
@@ -612,13 +641,32 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   int drafting = 0;
   for (int r = 0; r < R; ++r) drafting += drafted(r);
   if (drafting == 0) return;
+  const auto expected_of = [](const std::vector<float>& confidences, int verified) {
+    double expected = 1.0, survival = 1.0;  // e_r = 1 + Σ_{j < verified} a_{r,j}
+    for (int j = 0; j < verified && j < int(confidences.size()); ++j)
+      expected += survival *= survival_factor(confidences[j]);
+    return expected;
+  };
+  // A probe's row stands for all R: its e_r and the round's B are those of
+  // Alg 1 over R copies of its confidences, as a round where every row
+  // drafted would schedule them. (Its own schedule, beside R - 1 pending
+  // tokens alone, admits fewer: on the H100 at batch 4 one draft where whole
+  // rounds verified 3-4 a row, which held the gate shut.)
+  double probe_expected = 0.0;
+  int probe_tokens = 0;
+  if (probing_)
+    for (int r = 0; r < R; ++r)
+      if (drafted(r)) {
+        copies_.assign(R, confidences_[r]);
+        const std::vector<int> copies_verify = prefix_schedule(copies_, sps_, 0, &probe_tokens);
+        for (int k = 0; k < R; ++k) probe_expected += expected_of(copies_[k], copies_verify[k]) / R;
+        break;
+      }
   double total_expected = 0.0, total_paced = 0.0;  // Σ_r e_r, and of the e_r the slowest row is found by
   double most_left = 0.0, most_rounds = 0.0;       // max_r n_r and max_r n_r / e_r
   for (int r = 0; r < R; ++r) {
     if (!drafted(r)) continue;
-    double row_expected = 1.0, survival = 1.0;  // e_r = 1 + Σ_{j < verify[r]} a_{r,j}
-    for (int j = 0; j < verify[r] && j < int(confidences_[r].size()); ++j)
-      row_expected += survival *= survival_factor(confidences_[r][j]);
+    double row_expected = probing_ ? probe_expected : expected_of(confidences_[r], verify[r]);
     total_expected += row_expected;
     // The slowest of several rows, from each row's e_r smoothed over the
     // rounds it drafted (scheduler.h). One row's estimate, and a sum, are
@@ -652,7 +700,7 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   } else {
     expected_all = R * total_expected / drafting * slowest_share();
   }
-  const double tokens_all = R + double(tokens - R) * R / drafting;
+  const double tokens_all = probing_ ? probe_tokens : R + double(tokens - R) * R / drafting;
   // This round as the profiles see it, for observe_round: a round where every
   // row drafts (a probe's cost says nothing about one: its one drafting row
   // makes the verify ragged), right after another drafted round (the first
@@ -662,12 +710,24 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   drafting_round_ = true;
   const int drafting_rows = lengths ? int(remaining_.size()) : R;  // (not those admitted this round)
   timed_ = drafting == drafting_rows && after_drafted_round_ ? &drafted_cost_ : nullptr;
+  if (timed_) {  // one that admits, only where most do (scheduler.h)
+    gate_->admitting += kAdmittingWeight * ((admitted_tokens_ > 0 ? 1.0 : 0.0) - gate_->admitting);
+    if (admitted_tokens_ > 0 && gate_->admitting < 0.5) timed_ = nullptr;
+  }
   predicted_seconds_ = 1.0 / sps_.round_at(R, double(tokens - R) / R) + draft_cost_->at(R) +
                        (1.0 / sps_.at(tokens + admitted_tokens_) - 1.0 / sps_.at(tokens));
   const double all_drafting = (1.0 / sps_.round_at(R, (tokens_all - R) / R) + draft_cost_->at(R)) * drafted_cost_.value;
   const double speculative = expected_all / all_drafting;
   const double gain = speculative * undrafted_cost_.value / (R * sps_.plain_at(R));
-  gate_->gain.add(gain);
+  gate_->gain.add(gain, kGainWeight);
+  if (gate_log())
+    std::fprintf(
+        stderr,
+        "gate R %d drafting %d%s: tokens %d (all %.1f), expected %.3f, round %.4f ms (verify %.4f, draft %.4f) "
+        "x %.3f, plain %.4f ms x %.3f; gain %.3f -> %.3f\n",
+        R, drafting, probing_ ? " (probe)" : "", tokens, tokens_all, expected_all, 1e3 * all_drafting,
+        1e3 / sps_.round_at(R, (tokens_all - R) / R), 1e3 * draft_cost_->at(R), drafted_cost_.value,
+        1e3 / sps_.plain_at(R), undrafted_cost_.value, gain, gate_->gain.value);
   // A probe looks and does not verify: its one row's drafts beside R - 1
   // pending tokens would make the forward ragged, a shape the CUDA target's
   // captured graphs do not cover (at batch 8 on the H200 the demo target's
@@ -677,8 +737,11 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   if (gate_->gain.value >= 1.0) {
     gate_->backoff = 1;
   } else {  // plain rounds for a while, then one row drafts again to look
-    gate_->undrafted_left = gate_->backoff;
-    gate_->backoff = std::min(2 * gate_->backoff, R > 1 ? kMaxUndraftedRounds : kMaxUndraftedRoundsAlone);
+    const int longest = gate_->gain.value >= kNearMiss ? kMaxUndraftedRoundsNear
+                        : R > 1                        ? kMaxUndraftedRounds
+                                                       : kMaxUndraftedRoundsAlone;
+    gate_->undrafted_left = std::min(gate_->backoff, longest);
+    gate_->backoff = std::min(2 * gate_->backoff, longest);
   }
 }
 

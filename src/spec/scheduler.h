@@ -25,39 +25,62 @@
 // faster. With a measured D(R), PrefixScheduler keeps a running estimate of
 // the gain of the rounds it scheduled, the predicted tokens per second
 // R·τ_b/(1/SPS(B) + D(R)) of a round where all R rows draft over plain
-// decoding's measured R·P(R), and while it is below 1 leaves rounds
-// undrafted (plain steps: each row's pending token alone); after 1, 2, 4, ...
-// 512 of them (32 at one row) one row drafts (a probe, scaled to R rows for
-// the estimate: a cheap look where drafting costs per row). At R > 1 a
-// probe's drafts are not verified: the round stays a plain step, whose shape
-// the CUDA target has captured. Each batch size (R rounded up to a power of
-// two, requests admitted in the round counted) has a gate of its own, its
-// estimate and its run of plain rounds: a batch that comes back to a size
-// (the next static batch after one's tail, a server's batch refilled)
-// resumes it, and a size not seen before starts from the estimate of the
-// one the batch came from and looks at once (with one gate whose runs
-// started over whenever the batch crossed a power of two, each tail of a
-// batch did: in a continuous-batching sweep on the CPU, batch 8 spent 3.4%
-// of its time on probes, 0.4% with a gate per size).
+// decoding's measured R·P(R), smoothed by quarters (one round's confidences
+// are noisy: smoothed by halves, two poor rounds in a row shut a gate that
+// pays 1.3x on average), and while it is below 1 leaves rounds undrafted
+// (plain steps: each row's pending token alone). Then one row drafts, to
+// look again (a probe), after 1, 2, 4, ... 512 plain rounds (32 at one row;
+// 128 where the estimate is a near miss, 0.9 or more: under continuous
+// batching the rows are other requests some rounds later, and at R > 1 a
+// probe costs about a plain step, so one in 128 rounds costs under 1%;
+// with one in 64, batch 8 on the H100, where drafting loses, ran 2-5%
+// below the gate that looked after up to 512). At R > 1
+// the probe's drafts are not verified: the round stays a plain step, whose
+// shape the CUDA target has captured (whole drafted rounds as probes cost
+// 12-34% of the time at batch 16 and 64 on the H100: their new shapes ran
+// eagerly and were captured). For the estimate its row stands for all R:
+// Alg 1 schedules R copies of its confidences.
+// Each batch size (R rounded up to a power of two, requests admitted in the
+// round counted) has a gate of its own, its estimate and its run of plain
+// rounds: a batch that comes back to a size (the next static batch after
+// one's tail, a server's batch refilled) resumes it, and a size not seen
+// before starts from the estimate of the one the batch came from and looks
+// at once (with one gate whose runs started over whenever the batch crossed
+// a power of two, each tail of a batch did: in a continuous-batching sweep
+// on the CPU, batch 8 spent 3.4% of its time on probes, 0.4% with a gate per
+// size).
 //
 // The profiles are measured once, apart from real rounds; real rounds may
 // cost more (a round whose rows verify different numbers of drafts cannot
 // replay a captured graph: at batch 64 on the H200 1.3 ms against the
 // profile's ~0.5). So the gate also times the rounds it runs: the ratio of a
 // drafted round's measured time to the profiles' prediction for it, and of an
-// undrafted round's to a plain step's, each smoothed (a round over 4x its
-// prediction, such as one that captures a graph, is skipped), scale the
-// estimate of later rounds (observe_round). Only at temperature 0
-// (spec/speculative.cpp): a sampling run with a seed must repeat exactly.
-// Under continuous batching a drafted round nearly always carries a newly
-// admitted request's prompt (at batch 64 about 2.7 requests finish a
-// round), which also keeps its forward from replaying a graph: such rounds
-// are timed against a prediction that adds those tokens (SPS(B) at B plus
-// them), or drafting's cost there would never be learned (on the H200 at
-// batch 64 the gate then drafted every round, at half plain decoding's
-// speed). Undrafted rounds that admit are not timed: rows that do not draft
-// finish together, so their admissions come in waves, rare and far off any
-// prediction.
+// undrafted round's to a plain step's, each the median of its last five
+// once there are three, scale the estimate of later rounds (observe_round).
+// A round that ran a shape for one of its first times (the CUDA target runs
+// a step's shape eagerly once, then captures it: 2-3x and ~10x a replayed
+// step; the drafter does both in one pass) is not timed: it is paid once
+// per shape, and on the H100 at batch 4 early clusters of such rounds shut
+// a gate that pays 1.1x. Nor is one over 4x its prediction. A median, not a
+// running mean: a shut gate times no drafted round and an open one no
+// undrafted round, so the ratio a gate changed with stays, and with a mean
+// one slow round kept a gate that pays shut, or one that does not pay open
+// (on the H100 at batch 8 the first undrafted round, at 1.5x, held the gate
+// open). Only at temperature 0 (spec/speculative.cpp): a sampling run with a
+// seed must repeat exactly.
+// Under continuous batching a round may also carry a newly admitted
+// request's prompt, which keeps its forward from replaying a graph (on the
+// H100 at batch 4 such drafted rounds took 2.2-2.5x the prediction that adds
+// the prompt's tokens at SPS(B), the others 1.0-1.1x). Plain decoding pays
+// the same per request, so where few drafted rounds admit (under half of
+// them, smoothed by sixteenths) those are not timed; where most do (at batch
+// 64 about 2.7 requests finish a round) they are, against that prediction,
+// or drafting's cost there would never be learned (on the H200 at batch 64
+// the gate then drafted every round, at half plain decoding's speed).
+// Undrafted rounds that admit are not timed: rows that do not draft finish
+// together, so their admissions come in waves, rare and far off any
+// prediction. DSPARK_GATE_LOG=1 prints each estimate and each timed round
+// on stderr.
 //
 // τ_b is the batch's progress per round. Row r drafting is expected to emit
 // e_r tokens a round (1 + the survival of its verified prefix). While
@@ -207,9 +230,11 @@ class VerifyScheduler {
   // proposals[i].confidence is empty when the source has no confidences.
   virtual void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) = 0;
   // Told after each round how long it took (drafting, verify and accepts, on
-  // the host's clock). A round's duration does not depend on which tokens it
-  // drew, so later decisions may read it.
-  virtual void observe_round(double /*seconds*/) {}
+  // the host's clock), and whether it ran a shape for one of its first times
+  // (warm_up_runs of the target or the source moved: a cost paid once). A
+  // round's duration does not depend on which tokens it drew, so later
+  // decisions may read it.
+  virtual void observe_round(double /*seconds*/, bool /*warming_up*/ = false) {}
 };
 
 // Alg 1 on plain confidences: confidences[r] = row r's c_{r,0..n_r-1}
@@ -228,7 +253,7 @@ class PrefixScheduler final : public VerifyScheduler {
   int rows_to_draft(const RoundOutlook& outlook) override;
   // Rows whose proposal has no confidences are verified whole (their tokens count in B).
   void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) override;
-  void observe_round(double seconds) override;
+  void observe_round(double seconds, bool warming_up = false) override;
   const SpsProfile& sps() const { return sps_; }
   // The running estimate of drafting's gain over plain decoding (1 before any round).
   double gain() const { return gate_ ? gate_->gain.value : 1.0; }
@@ -237,6 +262,7 @@ class PrefixScheduler final : public VerifyScheduler {
   SpsProfile sps_;
   std::optional<DraftCostProfile> draft_cost_;
   std::vector<std::vector<float>> confidences_;
+  std::vector<std::vector<float>> copies_;  // a probe's confidences, once for each row
   std::vector<int> rows_, remaining_;  // the round's outlook (rows_to_draft())
   int waiting_ = 0;
   struct RowPace {
@@ -244,10 +270,20 @@ class PrefixScheduler final : public VerifyScheduler {
     double expected;  // its e_r, smoothed over the rounds it drafted
   };
   std::unordered_map<int, RowPace> paces_;  // by request id
-  // A ratio smoothed by halves over its measurements (1 before any).
+  // A ratio smoothed over its measurements, each moving it `weight` of the
+  // way (1 before any; the first sets it).
   struct SmoothedRatio {
     double value = 1.0;
     bool measured = false;
+    void add(double ratio, double weight = 0.5);
+  };
+  // A cost ratio: the median of its last kRecent measurements, 1 before
+  // kTrusted of them (a kind of round's first runs replay no graph yet).
+  struct RecentMedian {
+    static constexpr int kRecent = 5, kTrusted = 3;
+    double recent[kRecent] = {};
+    int count = 0;  // measurements so far
+    double value = 1.0;
     void add(double ratio);
   };
   // The gate at one batch size (the batch's rows rounded up to a power of
@@ -258,6 +294,7 @@ class PrefixScheduler final : public VerifyScheduler {
     SmoothedRatio gain;      // predicted speculative / plain tokens per second (< 1: plain rounds and probes)
     int undrafted_left = 0;  // plain rounds still to run before the next probe
     int backoff = 1;         // plain rounds after the next round that does not pay
+    double admitting = 0.0;  // the share of timed drafted rounds that admit a request, smoothed
     // Static batches: the slowest row's pace over the rows' mean pace in
     // rounds where every row drafted, smoothed.
     SmoothedRatio slowest_share;
@@ -267,8 +304,8 @@ class PrefixScheduler final : public VerifyScheduler {
   Gate* gate_ = nullptr;       // and its gate
   void enter_gate(int rows);   // sets rows_bucket_ and gate_ for a batch of `rows`
   double slowest_share() const;
-  SmoothedRatio drafted_cost_, undrafted_cost_;  // measured / predicted time of a drafted / an undrafted round
-  SmoothedRatio* timed_ = nullptr;               // what the round being run is timed against (null: it is not)
+  RecentMedian drafted_cost_, undrafted_cost_;  // measured / predicted time of a drafted / an undrafted round
+  RecentMedian* timed_ = nullptr;               // what the round being run is timed against (null: it is not)
   double predicted_seconds_ = 0.0;  // the profiles' time for it
   int admitted_tokens_ = 0;         // prompt tokens riding in the round's forward
   bool probing_ = false;            // this round is a probe (one of R > 1 rows drafts while the gate is shut)

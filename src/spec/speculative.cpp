@@ -180,6 +180,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
                                int(prompts.size() - admitted), int(active.size() - established), admitted_tokens};
     const size_t drafting = options.scheduler ? size_t(options.scheduler->rows_to_draft(outlook)) : established;
     proposals.clear();
+    const long warm_ups = target.warm_up_runs() + source.warm_up_runs();
     const auto round_start = Clock::now();
     if (drafting > 0)
       source.propose(std::span(active).first(drafting), std::span(pending).first(drafting),
@@ -304,7 +305,8 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     // its decisions choose which random numbers are drawn, and a seeded run
     // must repeat exactly, which a clock cannot.
     if (options.scheduler && options.sampling.greedy())
-      options.scheduler->observe_round(std::chrono::duration<double>(Clock::now() - round_start).count());
+      options.scheduler->observe_round(std::chrono::duration<double>(Clock::now() - round_start).count(),
+                                       target.warm_up_runs() + source.warm_up_runs() != warm_ups);
     for (int r : active)
       if (requests[r].done) {
         target.release_sequence(requests[r].sequence);
