@@ -584,6 +584,22 @@ TEST(CliBenchSpec, SweepsBatchSizesAndSchedulesAndPlotsThroughput) {
     EXPECT_LE(point["schedules"]["alg1"]["verified_per_round"].get<double>(),
               point["schedules"]["alg1"]["proposed_per_round"].get<double>());
   }
+  // Issue 8's figures: the lowest speed-up over the batch sizes, and batch 4's against batch 1's.
+  for (const char* schedule : {"off", "threshold", "alg1"}) {
+    const Json& summary = out["summary"][schedule];
+    double lowest = 1e9, at_1 = 0.0, at_4 = 0.0;
+    int lowest_at = 0;
+    for (const Json& point : out["points"]) {
+      const double speedup = point["schedules"][schedule]["speedup"].get<double>();
+      if (speedup < lowest) lowest = speedup, lowest_at = point["batch"].get<int>();
+      if (point["batch"].get<int>() == 1) at_1 = speedup;
+      if (point["batch"].get<int>() == 4) at_4 = speedup;
+    }
+    EXPECT_DOUBLE_EQ(summary["lowest_speedup"].get<double>(), lowest) << schedule;
+    EXPECT_EQ(summary["lowest_at_batch"].get<int>(), lowest_at) << schedule;
+    EXPECT_DOUBLE_EQ(summary["batch4_over_batch1"].get<double>(), at_4 / at_1) << schedule;
+    EXPECT_EQ(summary.contains("batch4_share_of_batch1_gain"), at_1 > 1.0) << schedule;
+  }
   const std::string png = read_text_file(plot);
   EXPECT_EQ(png.substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8));
   EXPECT_GT(png.size(), 5000u);
