@@ -172,6 +172,25 @@ std::string gate_pattern(PrefixScheduler& scheduler, int rounds, const std::vect
   return pattern;
 }
 
+// `rounds` rounds of four rows through a gate that `probe` keeps shut: the
+// runs of plain rounds between drafted ones ("1 2 4 "), and in `left` the
+// plain rounds run since the last drafted one.
+std::string plain_runs(PrefixScheduler& scheduler, int rounds, const std::vector<Proposal>& probe, int& left) {
+  std::string runs;
+  std::vector<int> verify;
+  left = 0;
+  for (int round = 0; round < rounds; ++round) {
+    if (scheduler.rows_to_draft(Outlook(std::vector<int>(4, 64))) == 0) {
+      ++left;
+      continue;
+    }
+    scheduler.schedule(probe, verify);
+    if (left > 0) runs += std::to_string(left) + " ";
+    left = 0;
+  }
+  return runs;
+}
+
 TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
   const SpsProfile flat = profile({1, 1000}, {100.0, 100.0});
   std::vector<Proposal> good(1), poor(1);
@@ -216,18 +235,8 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
   // The runs of plain rounds stop growing at 512; a batch that shrinks past
   // a power of two (four rows to two) is looked at again at once.
   PrefixScheduler shut(flat, DraftCostProfile{{1}, {0.1}});
-  std::string runs;
   int plain_run = 0;
-  for (int round = 0; round < 1600; ++round) {
-    if (shut.rows_to_draft(Outlook(std::vector<int>(4, 64))) == 0) {
-      ++plain_run;
-      continue;
-    }
-    shut.schedule(probe, verify);
-    if (plain_run > 0) runs += std::to_string(plain_run) + " ";
-    plain_run = 0;
-  }
-  EXPECT_EQ(runs, "1 2 4 8 16 32 64 128 256 512 512 ");
+  EXPECT_EQ(plain_runs(shut, 1600, probe, plain_run), "1 2 4 8 16 32 64 128 256 512 512 ");
   EXPECT_EQ(plain_run, 1600 - 1535 - 12);                              // into the next run of 512
   EXPECT_EQ(shut.rows_to_draft(Outlook(std::vector<int>(3, 64))), 0);  // 3 rows: the same power of two
   // Two rows beside two requests admitted this round: still a batch of four.
@@ -241,19 +250,8 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
   // A near miss (a gain of 0.9 or more) looks again after at most 128 plain
   // rounds: here four rows gain 10.84 / (10 + 4 x 4.57 ms) / 400 = 0.958.
   PrefixScheduler near(flat, DraftCostProfile{{1}, {0.00457}});
-  std::vector<int> near_runs;
-  plain_run = 0;
-  for (int round = 0; round < 393; ++round) {
-    if (near.rows_to_draft(Outlook(std::vector<int>(4, 64))) == 0) {
-      ++plain_run;
-      continue;
-    }
-    near.schedule(probe, verify);
-    if (plain_run > 0) near_runs.push_back(plain_run);
-    plain_run = 0;
-  }
+  EXPECT_EQ(plain_runs(near, 393, probe, plain_run), "1 2 4 8 16 32 64 128 128 ");
   EXPECT_GT(near.gain(), 0.9);
-  EXPECT_EQ(near_runs, (std::vector<int>{1, 2, 4, 8, 16, 32, 64, 128, 128}));
   // Without a draft cost profile the gate never closes (Alg 1 alone).
   PrefixScheduler alone(flat);
   for (int round = 0; round < 4; ++round) {

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -476,18 +477,16 @@ void run_bench_spec(const BenchSpecFlags& flags) {
   // share of batch 1's gain over plain, (s4 - 1) / (s1 - 1)).
   out["summary"] = Json::object();
   for (const std::string& schedule : schedules) {
-    Json summary = Json::object();
-    double lowest = 0.0, at_1 = 0.0, at_4 = 0.0;
+    double lowest = std::numeric_limits<double>::infinity(), at_1 = 0.0, at_4 = 0.0;
+    int lowest_batch = 0;
     for (const Json& entry : out["points"]) {
       const double speedup = entry["schedules"][schedule]["speedup"].get<double>();
-      if (summary.empty() || speedup < lowest) {
-        lowest = speedup;
-        summary["lowest_speedup"] = speedup;
-        summary["lowest_at_batch"] = entry["batch"];
-      }
-      if (entry["batch"].get<int>() == 1) at_1 = speedup;
-      if (entry["batch"].get<int>() == 4) at_4 = speedup;
+      const int batch = entry["batch"].get<int>();
+      if (speedup < lowest) lowest = speedup, lowest_batch = batch;
+      if (batch == 1) at_1 = speedup;
+      if (batch == 4) at_4 = speedup;
     }
+    Json summary = {{"lowest_speedup", lowest}, {"lowest_at_batch", lowest_batch}};
     if (at_1 > 0.0 && at_4 > 0.0) {
       summary["batch4_over_batch1"] = at_4 / at_1;
       if (at_1 > 1.0) summary["batch4_share_of_batch1_gain"] = (at_4 - 1.0) / (at_1 - 1.0);

@@ -8,9 +8,9 @@
 #include <cstdlib>
 #include <fstream>
 #include <optional>
-#include <string>
 #include <utility>
 
+#include "core/environment.h"
 #include "core/error.h"
 #include "core/file.h"
 #include "core/progress.h"
@@ -43,10 +43,7 @@ double survival_factor(double confidence) { return confidence > 0.0 ? std::min(c
 
 // DSPARK_GATE_LOG=1: the gate's estimates and timed rounds on stderr.
 bool gate_log() {
-  static const bool on = [] {
-    const char* value = std::getenv("DSPARK_GATE_LOG");
-    return value && *value && std::string(value) != "0";
-  }();
+  static const bool on = environment_switch_on("DSPARK_GATE_LOG");
   return on;
 }
 
@@ -654,14 +651,13 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   // rounds verified 3-4 a row, which held the gate shut.)
   double probe_expected = 0.0;
   int probe_tokens = 0;
-  if (probing_)
-    for (int r = 0; r < R; ++r)
-      if (drafted(r)) {
-        copies_.assign(R, confidences_[r]);
-        const std::vector<int> copies_verify = prefix_schedule(copies_, sps_, 0, &probe_tokens);
-        for (int k = 0; k < R; ++k) probe_expected += expected_of(copies_[k], copies_verify[k]) / R;
-        break;
-      }
+  if (probing_) {
+    int probe_row = 0;
+    while (!drafted(probe_row)) ++probe_row;  // (drafting > 0)
+    copies_.assign(R, confidences_[probe_row]);
+    const std::vector<int> copies_verify = prefix_schedule(copies_, sps_, 0, &probe_tokens);
+    for (int k = 0; k < R; ++k) probe_expected += expected_of(copies_[k], copies_verify[k]) / R;
+  }
   double total_expected = 0.0, total_paced = 0.0;  // Σ_r e_r, and of the e_r the slowest row is found by
   double most_left = 0.0, most_rounds = 0.0;       // max_r n_r and max_r n_r / e_r
   for (int r = 0; r < R; ++r) {

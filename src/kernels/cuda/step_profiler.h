@@ -16,16 +16,11 @@
 #include <string>
 #include <vector>
 
+#include "core/environment.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device.h"
 
 namespace dspark::cuda {
-
-// A development tool's switch: the environment variable is "1".
-inline bool environment_switch_on(const char* variable) {
-  const char* value = std::getenv(variable);
-  return value && std::string(value) == "1";
-}
 
 class StepProfiler {
  public:
