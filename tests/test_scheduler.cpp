@@ -112,6 +112,31 @@ TEST(PrefixSchedule, StopsAtTheFirstAdmissionThatDoesNotPay) {
   EXPECT_EQ(prefix_schedule(std::vector<std::vector<float>>{{0.6f, 0.9f}}, non_concave), (std::vector<int>{0}));
 }
 
+TEST(PrefixSchedule, WeighsTheRoundsDraftingAndPadsRowsToTheLongest) {
+  // The non-concave profile above stops at nothing; with 50 ms of drafting in
+  // the round the walk weighs tokens per second of the whole round:
+  // 1/0.06 = 16.7, then 1.6/0.0667 = 24.0, then 2.14/0.0669 = 32.0: both in.
+  const SpsProfile non_concave = profile({1, 2, 3}, {100, 60, 59});
+  const std::vector<std::vector<float>> one_row = {{0.6f, 0.9f}};
+  EXPECT_EQ(prefix_schedule(one_row, non_concave, 0, nullptr, {.draft_seconds = 0.05}), (std::vector<int>{2}));
+  // Padded: step times 10 / 12 / 14 ms at B = 2 / 4 / 6, and two rows of
+  // survival {0.9, 0.09} and {0.05, 0.025}. Unpadded, 0.9 goes in at B = 3
+  // (2.9 / 11 ms = 263.6) and 0.09 would drop the rate (2.99 / 12 ms = 249):
+  // {1, 0}. Padded, B is R (1 + L): 0.9 raises L to 1 (2.9 / 12 ms = 241.7),
+  // 0.09 would raise it to 2 (2.99 / 14 ms = 213.6): the walk stops, and the
+  // other row verifies its first draft too, at no cost: {1, 1}, B = 4.
+  const SpsProfile steps = profile({2, 4, 6}, {100, 1000.0 / 12, 1000.0 / 14});
+  const std::vector<std::vector<float>> two_rows = {{0.9f, 0.1f}, {0.05f, 0.5f}};
+  EXPECT_EQ(prefix_schedule(two_rows, steps), (std::vector<int>{1, 0}));
+  int tokens = 0;
+  EXPECT_EQ(prefix_schedule(two_rows, steps, 0, &tokens, {.padded_rows = true}), (std::vector<int>{1, 1}));
+  EXPECT_EQ(tokens, 4);
+  // A row shorter than L verifies all it has.
+  EXPECT_EQ(prefix_schedule(std::vector<std::vector<float>>{{0.9f, 0.9f}, {}}, profile({1}, {50}), 0, nullptr,
+                            {.padded_rows = true}),
+            (std::vector<int>{2, 0}));
+}
+
 TEST(PrefixSchedule, TiesKeepEachRowAPrefixAndExtraTokensCountInB) {
   const std::vector<std::vector<float>> certain = {{1.0f, 1.0f, 1.0f}, {1.0f, 1.0f}};
   EXPECT_EQ(prefix_schedule(certain, profile({1}, {10})), (std::vector<int>{3, 2}));

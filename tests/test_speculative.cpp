@@ -555,8 +555,9 @@ double chi_square_bound(int k) {
 struct SamplingCase {
   std::string source;
   cpu::SamplingParams sampling;
-  bool alg1 = false;  // the prefix scheduler cuts the proposals
-  bool gate = false;  // ... and, drafting being dear, leaves rounds undrafted
+  bool alg1 = false;    // the prefix scheduler cuts the proposals
+  bool gate = false;    // ... and, drafting being dear, leaves rounds undrafted
+  bool padded = false;  // ... and fills every row up to the longest (RoundPricing::padded_rows)
 };
 
 class SamplingLossless : public ::testing::TestWithParam<SamplingCase> {};
@@ -583,8 +584,11 @@ TEST_P(SamplingLossless, EmittedTokensHaveTheTargetsDistribution) {
   options.gamma = 3;
   options.sampling = c.sampling;
   // 50 rows a round: a position is admitted while its survival exceeds τ*/(200 + B), about 0.2
-  // to 0.25 here, so the cuts vary with the confidences.
-  PrefixScheduler scheduler(linear_sps(0.005), c.gate ? std::optional(DraftCostProfile{{1}, {50.0}}) : std::nullopt);
+  // to 0.25 here, so the cuts vary with the confidences. Padded, raising L
+  // costs 50 tokens at once: at 0.1 ms a token it pays for a survival above
+  // about τ*/200 (0.25 to 0.4), and the rows' fill follows.
+  PrefixScheduler scheduler(linear_sps(c.padded ? 0.0001 : 0.005),
+                            c.gate ? std::optional(DraftCostProfile{{1}, {50.0}}) : std::nullopt, c.padded);
   if (c.alg1) options.scheduler = &scheduler;
   const long draws = 100000;
   std::vector<long> counts(V * V * V, 0);
@@ -618,7 +622,8 @@ INSTANTIATE_TEST_SUITE_P(Sources, SamplingLossless,
                                            SamplingCase{"ngram", {1.3f, 0, 0.95f}},
                                            SamplingCase{"drafter", {1.0f, 0, 1.0f}, true},
                                            SamplingCase{"drafter", {0.7f, 4, 0.9f}, true},
-                                           SamplingCase{"drafter", {1.0f, 0, 1.0f}, true, true}));
+                                           SamplingCase{"drafter", {1.0f, 0, 1.0f}, true, true},
+                                           SamplingCase{"drafter", {1.0f, 0, 1.0f}, true, false, true}));
 
 // ---------------------------------------------- the scheduler's early stop
 //

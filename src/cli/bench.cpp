@@ -50,6 +50,7 @@ struct BenchDecodeFlags {
   int prompt_length = 128;
   int generate = 128;
   int max_verify = 32;
+  int verify_runs = 15;
   bool json = false;
 };
 
@@ -155,8 +156,8 @@ void run_bench_decode(const BenchDecodeFlags& flags) {
   // Verify cost: k tokens per sequence in one forward, rolled back after each.
   Json verify = Json::array();
   double one_token = 0.0;
-  for (int k = 1; k <= flags.max_verify; k = k < 4 ? k + 1 : k * 2) {
-    const double milliseconds = verify_seconds(*target, sequences, next, k) * 1e3;
+  for (int k = 1; k <= flags.max_verify; k = k < 8 ? k + 1 : k * 2) {  // every k up to 8 (a block of γ <= 7)
+    const double milliseconds = verify_seconds(*target, sequences, next, k, flags.verify_runs) * 1e3;
     if (k == 1) one_token = milliseconds;
     verify.push_back({{"k", k}, {"ms", milliseconds}, {"ratio", milliseconds / one_token}});
   }
@@ -739,6 +740,9 @@ void add_bench_command(CLI::App& app) {
   decode->add_option("--prompt-len", flags->prompt_length, "prompt tokens per sequence")->capture_default_str()
       ->check(CLI::PositiveNumber);
   decode->add_option("--gen", flags->generate, "decode steps")->capture_default_str()->check(CLI::Range(2, 100000));
+  decode->add_option("--verify-runs", flags->verify_runs, "timed forwards per k (median), after 3 warm-up ones")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
   decode->add_option("--max-verify", flags->max_verify, "largest k of the verify-cost curve")
       ->capture_default_str()->check(CLI::Range(1, 64));
   decode->add_flag("--json", flags->json, "print one JSON object");

@@ -141,6 +141,7 @@ class CudaTarget final : public Target {
   void truncate_sequence(int sequence, int length) override;
   void forward(std::span<const TargetInput> inputs, const TargetRequest& request, TargetResult& result) override;
   int row_invariant_rows() const override { return cuda::kRowInvariantRows; }
+  bool pads_verify_rows() const override { return true; }
   long warm_up_runs() const override { return warm_up_runs_; }
   CudaTargetHead head() const { return {embed_tokens_.data(), lm_head_, stream_}; }
 

@@ -89,6 +89,12 @@ class Target {
   // speculative output is plain output bit for bit.
   virtual int row_invariant_rows() const = 0;
 
+  // Whether a forward of several sequences runs each as many rows as the
+  // longest (the CUDA target's captured steps): a verify then costs what its
+  // longest block does, however short the others (spec/scheduler.h,
+  // RoundPricing::padded_rows).
+  virtual bool pads_verify_rows() const { return false; }
+
   // Forwards so far that ran a step's shape for one of its first times
   // (eagerly, or capturing it as a CUDA graph): work paid once per shape,
   // which timing a round to predict later ones should leave out.

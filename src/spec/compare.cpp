@@ -66,7 +66,7 @@ VerifySchedules::VerifySchedules(Target& target, const LoadedDraftSource& loaded
     if (loaded.drafter && gamma > 0)  // a source without confidences gives the gate nothing to weigh
       draft_cost = cached_draft_cost(target, *unpruned_, std::filesystem::weakly_canonical(draft_name).string(), gamma,
                                      max_batch, sps_cache, reprofile);
-    alg1_ = std::make_unique<PrefixScheduler>(std::move(sps), std::move(draft_cost));
+    alg1_ = std::make_unique<PrefixScheduler>(std::move(sps), std::move(draft_cost), target.pads_verify_rows());
     sps_note_ = std::string(measured ? "measured, stored in " : "read from ") + sps_cache.string();
   }
 }

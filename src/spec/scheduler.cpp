@@ -492,7 +492,7 @@ DraftCostProfile cached_draft_cost(Target& target, DraftSource& source, const st
 }
 
 std::vector<int> prefix_schedule(std::span<const std::vector<float>> confidences, const SpsProfile& sps,
-                                 int extra_tokens, int* forward_tokens) {
+                                 int extra_tokens, int* forward_tokens, const RoundPricing& pricing) {
   struct Candidate {
     double survival;  // a_{r,j}
     int position, row;
@@ -515,15 +515,28 @@ std::vector<int> prefix_schedule(std::span<const std::vector<float>> confidences
   const int rows = static_cast<int>(confidences.size());
   std::vector<int> verify(rows, 0);
   int tokens = rows + extra_tokens;  // B: each row's pending token, plus what is verified anyway
+  int longest = 0;                   // L: the most drafts a row verifies
   double expected = rows;            // τ*: each row emits at least one token
-  double rate = expected * sps.at(tokens);
+  // The round's tokens per second with B tokens in its forward, L drafts in its longest row.
+  auto rate_of = [&](double expected_tokens, int forward, int most) {
+    const double verify_seconds = pricing.padded_rows
+                                      ? 1.0 / sps.round_at(rows, most + double(extra_tokens) / std::max(rows, 1))
+                                      : 1.0 / sps.at(forward);
+    return expected_tokens / (pricing.draft_seconds + verify_seconds);
+  };
+  double rate = rate_of(expected, tokens, longest);
   for (const Candidate& candidate : candidates) {
-    const double admitted_rate = (expected + candidate.survival) * sps.at(tokens + 1);
+    const int admitted_longest = std::max(longest, candidate.position + 1);
+    const double admitted_rate = rate_of(expected + candidate.survival, tokens + 1, admitted_longest);
     if (!(admitted_rate > rate)) break;  // the early stop: never skip a position and go on
     DSPARK_CHECK(verify[candidate.row] == candidate.position, "prefix scheduler: row ", candidate.row,
                  " would verify position ", candidate.position, " after ", verify[candidate.row]);
     verify[candidate.row] = candidate.position + 1;
-    tokens += 1, expected += candidate.survival, rate = admitted_rate;
+    tokens += 1, longest = admitted_longest, expected += candidate.survival, rate = admitted_rate;
+  }
+  if (pricing.padded_rows) {  // every row up to L: the forward runs those rows anyway (lossless: scheduler.h)
+    for (int r = 0; r < rows; ++r) verify[r] = std::max(verify[r], std::min(longest, int(confidences[r].size())));
+    tokens = rows * (1 + longest) + extra_tokens;
   }
   if (forward_tokens) *forward_tokens = tokens;
   return verify;
@@ -621,7 +634,9 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
     if (!scored) whole += int(proposal.tokens.size());
   }
   int tokens = 0;
-  verify = prefix_schedule(confidences_, sps_, whole, &tokens);
+  RoundPricing pricing{.draft_seconds = draft_cost_ ? draft_cost_->at(int(proposals.size())) : 0.0,
+                       .padded_rows = padded_rows_};
+  verify = prefix_schedule(confidences_, sps_, whole, &tokens, pricing);
   for (size_t i = 0; i < proposals.size(); ++i)
     if (proposals[i].confidence.size() != proposals[i].tokens.size()) verify[i] = int(proposals[i].tokens.size());
   if (!draft_cost_) return;
@@ -655,7 +670,7 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
     int probe_row = 0;
     while (!drafted(probe_row)) ++probe_row;  // (drafting > 0)
     copies_.assign(R, confidences_[probe_row]);
-    const std::vector<int> copies_verify = prefix_schedule(copies_, sps_, 0, &probe_tokens);
+    const std::vector<int> copies_verify = prefix_schedule(copies_, sps_, 0, &probe_tokens, pricing);
     for (int k = 0; k < R; ++k) probe_expected += expected_of(copies_[k], copies_verify[k]) / R;
   }
   double total_expected = 0.0, total_paced = 0.0;  // Σ_r e_r, and of the e_r the slowest row is found by
@@ -696,7 +711,8 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   } else {
     expected_all = R * total_expected / drafting * slowest_share();
   }
-  const double tokens_all = probing_ ? probe_tokens : R + double(tokens - R) * R / drafting;
+  // (Padded, every row already counts as long as the longest.)
+  const double tokens_all = probing_ ? probe_tokens : padded_rows_ ? tokens : R + double(tokens - R) * R / drafting;
   // This round as the profiles see it, for observe_round: a round where every
   // row drafts (a probe's cost says nothing about one: its one drafting row
   // makes the verify ragged), right after another drafted round (the first

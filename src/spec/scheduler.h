@@ -237,19 +237,45 @@ class VerifyScheduler {
   virtual void observe_round(double /*seconds*/, bool /*warming_up*/ = false) {}
 };
 
+// What Alg 1 weighs a round's tokens against (prefix_schedule). Left as
+// they are, τ*·SPS(B): the verify forward's throughput, as the paper has it.
+struct RoundPricing {
+  // D(R), the round's drafting: spent when the round is scheduled, but part
+  // of its time, so the walk weighs τ* / (D + 1/SPS(B)), the round's tokens
+  // per second. Alone, the forward's throughput undervalues a draft whose
+  // verify costs little beside the drafting already paid for (the demo pair
+  // on the H100 at batch 1: 3-4 drafts verified a round against 6.7 when all
+  // are, 1.35x against 1.39x).
+  double draft_seconds = 0.0;
+  // The target runs every row of a verify forward as long as the longest
+  // (the CUDA target's captured shapes pad them): a round of R rows whose
+  // longest verifies L drafts costs 1/SPS.round_at(R, L) however short the
+  // others are, so a row's positions up to L cost nothing more and, once the
+  // walk stops, every row verifies up to L of its drafts (B = R (1 + L)).
+  bool padded_rows = false;
+};
+
 // Alg 1 on plain confidences: confidences[r] = row r's c_{r,0..n_r-1}
 // (values outside [0, 1] are clamped). Returns each row's verified prefix
 // length. `extra_tokens`: tokens in the forward beyond the R pending ones and
 // the candidates (rows verified whole because they have no confidences).
 // `forward_tokens` (when given) receives B of the schedule.
+// With padded rows, the rows' fill to the longest is lossless too: whether a
+// row's position j is filled depends on L, which the walk fixed before it
+// reached (r, j) (a position is walked after every position of higher
+// survival, and a row's survival never rises along it), so only on
+// confidences computed before x_j was drawn.
 std::vector<int> prefix_schedule(std::span<const std::vector<float>> confidences, const SpsProfile& sps,
-                                 int extra_tokens = 0, int* forward_tokens = nullptr);
+                                 int extra_tokens = 0, int* forward_tokens = nullptr, const RoundPricing& pricing = {});
 
 class PrefixScheduler final : public VerifyScheduler {
  public:
-  // Without a draft cost profile every round drafts (Alg 1 alone).
-  explicit PrefixScheduler(SpsProfile sps, std::optional<DraftCostProfile> draft_cost = std::nullopt)
-      : sps_(std::move(sps)), draft_cost_(std::move(draft_cost)) {}
+  // Without a draft cost profile every round drafts (Alg 1 alone); with one,
+  // Alg 1 also weighs the drafting (RoundPricing::draft_seconds).
+  // padded_rows: the target's (Target::pads_verify_rows).
+  explicit PrefixScheduler(SpsProfile sps, std::optional<DraftCostProfile> draft_cost = std::nullopt,
+                           bool padded_rows = false)
+      : sps_(std::move(sps)), draft_cost_(std::move(draft_cost)), padded_rows_(padded_rows) {}
   int rows_to_draft(const RoundOutlook& outlook) override;
   // Rows whose proposal has no confidences are verified whole (their tokens count in B).
   void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) override;
@@ -261,6 +287,7 @@ class PrefixScheduler final : public VerifyScheduler {
  private:
   SpsProfile sps_;
   std::optional<DraftCostProfile> draft_cost_;
+  bool padded_rows_ = false;
   std::vector<std::vector<float>> confidences_;
   std::vector<std::vector<float>> copies_;  // a probe's confidences, once for each row
   std::vector<int> rows_, remaining_;  // the round's outlook (rows_to_draft())

@@ -204,8 +204,8 @@ TEST(CudaOps, GemvKernelsMatchCpuAndTheirFusedEpiloguesEqualTheUnfusedKernels) {
   // last warp and block (1004 = 4 * 251 = 16 * 62 + 12) and one of a single
   // block. The plain product matches the CPU; four features per warp give
   // exactly the one-feature bits (the same summation order); on the tensor
-  // cores every row has exactly the bits of the same row multiplied alone
-  // (the target's decode and verify steps rely on it); a fused epilogue gives
+  // cores, whole or in row groups of 16, every row has exactly the bits of the
+  // same row multiplied alone (the target's decode and verify steps rely on it); a fused epilogue gives
   // exactly the bits of the kernel's plain product followed by the activation
   // or norm kernel. in = 288: a multiple of 32 but not of the tensor cores'
   // chunk of 64. 48 features per SM: products of 1.5 to 3 waves of two
@@ -224,8 +224,10 @@ TEST(CudaOps, GemvKernelsMatchCpuAndTheirFusedEpiloguesEqualTheUnfusedKernels) {
       cpu::matmul_forward(expected.data(), x.data(), weight.data(), bias.data(), rows, in, 2 * out_features);
       const auto initial = random_values(rows * out_features, 113, 4.0f), norm_weight = random_values(out_features, 114);
       std::vector<float> one_feature;
-      for (GemvKernel kernel : {GemvKernel::OneFeaturePerWarp, GemvKernel::FourFeaturesPerWarp, GemvKernel::TensorCores}) {
-        if (kernel != GemvKernel::TensorCores && rows > 8) continue;
+      for (GemvKernel kernel : {GemvKernel::OneFeaturePerWarp, GemvKernel::FourFeaturesPerWarp, GemvKernel::TensorCores,
+                                GemvKernel::TensorCoresInRowGroups}) {
+        if (kernel != GemvKernel::TensorCores && kernel != GemvKernel::TensorCoresInRowGroups && rows > 8) continue;
+        if (kernel == GemvKernel::TensorCoresInRowGroups && rows <= 16) continue;
         const std::string what =
             std::to_string(rows) + " x " + std::to_string(out_features) + ", kernel " + std::to_string(int(kernel));
         auto gemv = [&](void* out, cuda::MatmulOutput type, cuda::GemvEpilogue epilogue, int width,
@@ -242,12 +244,12 @@ TEST(CudaOps, GemvKernelsMatchCpuAndTheirFusedEpiloguesEqualTheUnfusedKernels) {
         if (kernel == GemvKernel::FourFeaturesPerWarp) {
           EXPECT_EQ(values, one_feature) << what;
         }
-        if (kernel == GemvKernel::TensorCores) {
+        if (kernel == GemvKernel::TensorCores || kernel == GemvKernel::TensorCoresInRowGroups) {
           DeviceBuffer<float> row_alone(2 * out_features);
           for (int r = 0; r < rows; ++r) {
-            cuda::gemv_matmul_forward(row_alone.data(), cuda::MatmulOutput::F32, cuda::GemvEpilogue::Store, kernel,
-                                      x_device.data() + r * in, weight_device.data(), bias_device.data(), 1, in,
-                                      2 * out_features, {}, nullptr);
+            cuda::gemv_matmul_forward(row_alone.data(), cuda::MatmulOutput::F32, cuda::GemvEpilogue::Store,
+                                      GemvKernel::TensorCores, x_device.data() + r * in, weight_device.data(),
+                                      bias_device.data(), 1, in, 2 * out_features, {}, nullptr);
             EXPECT_TRUE(std::equal(values.begin() + size_t(r) * 2 * out_features,
                                    values.begin() + size_t(r + 1) * 2 * out_features, from_device(row_alone).begin()))
                 << what << ", row " << r << " differs from the row alone";

@@ -89,7 +89,7 @@ __device__ void residual_norm_rows(const ResidualNorm& norm, const bf16* delta, 
 // norms it (every block must call this).
 __device__ void finish_residual_norm(const ResidualNorm& norm, const bf16* delta, int rows, int dim, int vectors) {
   __shared__ float scratch[32];
-  if (!took_last_ticket(norm.counter, gridDim.x)) return;
+  if (!took_last_ticket(norm.counter, gridDim.x * gridDim.y)) return;
   switch (vectors) {
     case 1: residual_norm_rows<1>(norm, delta, rows, dim, scratch); break;
     case 2: residual_norm_rows<2>(norm, delta, rows, dim, scratch); break;
@@ -213,7 +213,10 @@ void launch_gemv(void* out, bool out_f32, const bf16* x, const bf16* weight, con
 // 1.7B step 5% faster than 2; unrolling keeps each sum's order, and so its
 // bits). This is the target's kernel for every step of up to
 // kRowInvariantRows rows, so the chunk fixes the order of its sums: changing it
-// changes bits.
+// changes bits. A row's sums do not depend on the other rows of its tiles, so
+// a launch may also split its rows into groups of TILES * 8, a group per grid
+// row (blockIdx.y): more blocks, each with fewer tiles (tensor_gemv_forward's
+// row_groups).
 constexpr int kMmaStepsInFlight = 4;
 // Per count of 8-row activation tiles: the chunks a warp loads before the
 // dependency wait, and the blocks per SM ptxas is told to fit
@@ -243,10 +246,16 @@ constexpr int kMmaMaxRows = 64;
 
 template <int TILES, Epilogue EPILOGUE, bool FEW_WAVES = false>
 __global__ void __launch_bounds__(kMmaWarps * 32, FEW_WAVES ? kMmaFewWavesMinBlocks : kMmaMinBlocks<TILES>)
-    tensor_gemv_kernel(void* out, bool out_f32, const bf16* x, const bf16* weight, const bf16* bias, int rows, int in,
-                       int out_features, ResidualNorm norm, int residual_norm_vectors) {
+    tensor_gemv_kernel(void* all_out, bool out_f32, const bf16* all_x, const bf16* weight, const bf16* bias,
+                       int all_rows, int in, int out_features, ResidualNorm norm, int residual_norm_vectors) {
   constexpr bool kGated = EPILOGUE == Epilogue::Silu || EPILOGUE == Epilogue::GeluTanh;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  // This block's row group (all the rows unless the launch splits them).
+  const long first_row = static_cast<long>(blockIdx.y) * TILES * 8;
+  const int rows = min(all_rows - static_cast<int>(first_row), TILES * 8);
+  const bf16* x = all_x + first_row * in;
+  void* out = out_f32 ? static_cast<void*>(static_cast<float*>(all_out) + first_row * out_features)
+                      : static_cast<void*>(static_cast<bf16*>(all_out) + first_row * out_features);
   // Fragment rows g and g + 8: output features (gated: feature g's gate and up rows).
   const int first = blockIdx.x * (kGated ? 8 : 16);
   const int low = first + g, high = kGated ? first + g : first + g + 8;
@@ -329,26 +338,34 @@ __global__ void __launch_bounds__(kMmaWarps * 32, FEW_WAVES ? kMmaFewWavesMinBlo
     }
   }
   if constexpr (EPILOGUE == Epilogue::ResidualNorm)
-    finish_residual_norm(norm, static_cast<const bf16*>(out), rows, out_features, residual_norm_vectors);
+    finish_residual_norm(norm, static_cast<const bf16*>(all_out), all_rows, out_features, residual_norm_vectors);
 }
 
-// few_waves: a product of one row tile and more than one wave may take the FEW_WAVES kernel.
+// few_waves: a product of one row tile and more than one wave may take the
+// FEW_WAVES kernel. row_groups: rows past 16 run as groups of 16 on the
+// two-tile kernel, a grid row each, instead of on the four- or eight-tile
+// kernel: where one group's blocks leave most multiprocessors idle (the demo
+// target's 24-176 blocks on 132) the groups cost a second read of the
+// weights from L2, and each block is the shorter two-tile one, which loads
+// its first weights before the previous kernel ends (kMmaEarlySteps).
 template <Epilogue EPILOGUE>
 void tensor_gemv_forward(void* out, MatmulOutput out_type, const bf16* x, const bf16* weight, const bf16* bias,
-                         int rows, int in, int out_features, const ResidualNorm& norm, bool few_waves,
+                         int rows, int in, int out_features, const ResidualNorm& norm, bool few_waves, bool row_groups,
                          cudaStream_t stream) {
   constexpr bool kGated = EPILOGUE == Epilogue::Silu || EPILOGUE == Epilogue::GeluTanh;
   const int vectors = EPILOGUE == Epilogue::ResidualNorm ? residual_norm_vectors(out_features, norm.tap_stride) : 0;
   const int blocks = ceil_div(out_features, kGated ? 8 : 16);
   const bool f32 = out_type == MatmulOutput::F32;
-  auto kernel = rows <= 8    ? tensor_gemv_kernel<1, EPILOGUE>
-                : rows <= 16 ? tensor_gemv_kernel<2, EPILOGUE>
-                : rows <= 32 ? tensor_gemv_kernel<4, EPILOGUE>
-                             : tensor_gemv_kernel<8, EPILOGUE>;
+  row_groups = row_groups && rows > 16;
+  auto kernel = rows <= 8                  ? tensor_gemv_kernel<1, EPILOGUE>
+                : rows <= 16 || row_groups ? tensor_gemv_kernel<2, EPILOGUE>
+                : rows <= 32               ? tensor_gemv_kernel<4, EPILOGUE>
+                                           : tensor_gemv_kernel<8, EPILOGUE>;
   static const int multiprocessors = multiprocessor_count();
   if (few_waves && rows <= 8 && blocks > 2 * multiprocessors && blocks <= kMmaFewWavesMost * multiprocessors)
     kernel = tensor_gemv_kernel<1, EPILOGUE, true>;
-  launch_dependent(kernel, blocks, kMmaWarps * 32, 0, stream, out, f32, x, weight, bias, rows, in, out_features, norm,
+  const dim3 grid(blocks, row_groups ? ceil_div(rows, 16) : 1);
+  launch_dependent(kernel, grid, kMmaWarps * 32, 0, stream, out, f32, x, weight, bias, rows, in, out_features, norm,
                    vectors);
   CUDA_CHECK_LAUNCH();
 }
@@ -366,6 +383,7 @@ std::vector<GemvKernel> gemv_kernels(int rows, int in) {
     kernels.push_back(GemvKernel::FourFeaturesPerWarp);
   }
   if (rows <= kMmaMaxRows && in % 32 == 0) kernels.push_back(GemvKernel::TensorCores);
+  if (rows > 16 && rows <= kMmaMaxRows && in % 32 == 0) kernels.push_back(GemvKernel::TensorCoresInRowGroups);
   return kernels;
 }
 
@@ -400,9 +418,9 @@ void gemv_path(void* out, MatmulOutput out_type, Epilogue epilogue, const bf16* 
                cudaStream_t stream) {
   const auto run = [&](auto kind) {
     constexpr Epilogue kEpilogue = decltype(kind)::value;
-    if (kernel == GemvKernel::TensorCores)
+    if (kernel == GemvKernel::TensorCores || kernel == GemvKernel::TensorCoresInRowGroups)
       tensor_gemv_forward<kEpilogue>(out, out_type, x, weight, bias, rows, in_features, out_features, norm, few_waves,
-                                     stream);
+                                     kernel == GemvKernel::TensorCoresInRowGroups, stream);
     else
       gemv_forward<kEpilogue>(out, out_type, x, weight, bias, rows, in_features, out_features,
                               kernel == GemvKernel::FourFeaturesPerWarp ? 4 : 1, norm, stream);
@@ -415,29 +433,54 @@ void gemv_path(void* out, MatmulOutput out_type, Epilogue epilogue, const bf16* 
   }
 }
 
-// Median time of `runs` launches of `launch` on `stream`, in milliseconds.
+// Median time of one launch(stream) in milliseconds, as a step replayed from
+// a CUDA graph runs it: kTimedLaunches launches back to back, captured in one
+// graph on a stream of its own once `stream`'s work is done, the graph
+// replayed `runs` times. Launched one by one, each timed alone, a product
+// paid its launch and its wait for the one before in full, which a graph's
+// programmatic launches mostly hide: the norm's own kernel after a product
+// looked dearer than the product's fused tail (in a graph the tail, one block
+// norming every row, costs 1.5-5x the separate kernel), and the demo target's
+// verify steps of 3-5 rows, which kept the tail, cost more than those of 7-8
+// (0.17-0.20 ms against 0.164 at batch 1 on the H100; timed in a graph,
+// 0.146-0.163 in order, and the batch-4 decode step 0.145-0.149 ms against
+// 0.172; Qwen3-8B's draft step 0.412 against 0.457 ms).
 // Back to back, so a product whose weights fit in L2 reads them from there: as
 // a small model's forward does (the 19M demo target sits in L2 whole). Timing
 // from a cold L2 instead chose cuBLASLt for its 8-row verify shapes, whose
 // rows then lost their bits against the row decoded alone (8B: no change).
+constexpr int kTimedLaunches = 8;
 template <class Launch>
 float time_launches(Launch launch, cudaStream_t stream, int runs = 7) {
+  CUDA_CHECK(cudaStreamSynchronize(stream));  // its work wrote the inputs
+  cudaStream_t timing;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&timing, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  CUDA_CHECK(cudaStreamBeginCapture(timing, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < kTimedLaunches; ++i) launch(timing);
+  CUDA_CHECK(cudaStreamEndCapture(timing, &graph));
+  cudaGraphExec_t executable;
+  CUDA_CHECK(cudaGraphInstantiate(&executable, graph, 0));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  auto replay = [&] { CUDA_CHECK(cudaGraphLaunch(executable, timing)); };
   cudaEvent_t start, stop;
   CUDA_CHECK(cudaEventCreate(&start));
   CUDA_CHECK(cudaEventCreate(&stop));
-  launch();  // warm-up
+  replay();  // warm-up
   std::vector<float> times;
   for (int run = 0; run < runs; ++run) {
-    CUDA_CHECK(cudaEventRecord(start, stream));
-    launch();
-    CUDA_CHECK(cudaEventRecord(stop, stream));
+    CUDA_CHECK(cudaEventRecord(start, timing));
+    replay();
+    CUDA_CHECK(cudaEventRecord(stop, timing));
     CUDA_CHECK(cudaEventSynchronize(stop));
     float milliseconds = 0.0f;
     CUDA_CHECK(cudaEventElapsedTime(&milliseconds, start, stop));
-    times.push_back(milliseconds);
+    times.push_back(milliseconds / kTimedLaunches);
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
+  CUDA_CHECK(cudaGraphExecDestroy(executable));
+  CUDA_CHECK(cudaStreamDestroy(timing));
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
 }
@@ -493,7 +536,7 @@ class MatmulContext {
   // The MatmulPath that runs this shape fastest: every candidate (cuBLASLt
   // when with_cublaslt, each GEMV kernel fused and unfused) timed once,
   // outside any graph capture (a shape's first use), then remembered.
-  // run(path) computes the product along `path`.
+  // run(path, stream) computes the product along `path` on `stream`.
   // With no GEMV candidate the choice is cuBLASLt, untimed.
   template <class Run>
   MatmulPath choose(const PathKey& key, const std::vector<GemvKernel>& gemv_kernels, bool with_cublaslt,
@@ -511,9 +554,9 @@ class MatmulContext {
     float best = FLT_MAX;
     std::string times;
     for (const MatmulPath& path : candidates) {
-      const float time = time_launches([&] { run(path); }, stream);
+      const float time = time_launches([&](cudaStream_t on) { run(path, on); }, stream);
       static const char* const names[] = {"cuBLASLt", "GEMV 1 feature/warp", "GEMV 4 features/warp",
-                                          "GEMV tensor cores"};
+                                          "GEMV tensor cores", "GEMV tensor cores in row groups"};
       times += std::string(times.empty() ? "" : ", ") + names[int(path.gemv)] + (path.fused ? "" : " unfused") + " " +
                std::to_string(1e3f * time);
       if (time < best) best = time, chosen = path;
@@ -583,30 +626,30 @@ void matmul(void* out, MatmulOutput out_type, Epilogue epilogue, const bf16* x, 
   const Plan& plan = matmul.plan(rows, in_features, product_features, gated ? MatmulOutput::BF16 : out_type,
                                  bias != nullptr);
   // The epilogue as a kernel of its own, after the plain product (into gate_up when gated).
-  auto epilogue_kernel = [&] {
-    if (epilogue == Epilogue::Silu) swiglu_forward(static_cast<bf16*>(out), gate_up, rows, out_features, stream);
+  auto epilogue_kernel = [&](cudaStream_t on) {
+    if (epilogue == Epilogue::Silu) swiglu_forward(static_cast<bf16*>(out), gate_up, rows, out_features, on);
     if (epilogue == Epilogue::GeluTanh)
-      gelu_tanh_gate_forward(static_cast<bf16*>(out), gate_up, rows, out_features, stream);
+      gelu_tanh_gate_forward(static_cast<bf16*>(out), gate_up, rows, out_features, on);
     if (epilogue == Epilogue::ResidualNorm)
       residual_add_rmsnorm_forward(norm.residual, static_cast<const bf16*>(out), norm.normed, norm.weight, rows,
-                                   out_features, norm.eps, norm.residual_tap, norm.normed_tap, norm.tap_stride, stream);
+                                   out_features, norm.eps, norm.residual_tap, norm.normed_tap, norm.tap_stride, on);
   };
-  auto run = [&](const MatmulPath& path) {
+  auto run = [&](const MatmulPath& path, cudaStream_t on) {
     if (path.gemv != GemvKernel::None && (path.fused || epilogue == Epilogue::Store))
       return gemv_path(out, out_type, epilogue, x, weight, bias, rows, in_features, out_features, path.gemv, norm,
-                       decode_family, stream);
+                       decode_family, on);
     void* product = gated ? gate_up : out;
     if (path.gemv == GemvKernel::None)
-      matmul.run(plan, product, x, weight, bias, stream);
+      matmul.run(plan, product, x, weight, bias, on);
     else
       gemv_path(product, gated ? MatmulOutput::BF16 : out_type, Epilogue::Store, x, weight, bias, rows, in_features,
-                product_features, path.gemv, norm, decode_family, stream);
-    epilogue_kernel();
+                product_features, path.gemv, norm, decode_family, on);
+    epilogue_kernel(on);
   };
   // A shape's path is chosen on its first use; later calls (every eager step) only look it up.
   const PathKey key = std::make_tuple(rows, in_features, out_features, out_type, bias != nullptr,
                                       static_cast<int>(epilogue), kernels_allowed);
-  if (const std::optional<MatmulPath> path = matmul.chosen(key)) return run(*path);
+  if (const std::optional<MatmulPath> path = matmul.chosen(key)) return run(*path, stream);
   std::vector<GemvKernel> kernels = gemv_kernels(rows, in_features);
   if (epilogue == Epilogue::ResidualNorm && residual_norm_vectors(out_features, norm.tap_stride) == 0)
     kernels.clear();  // (the unfused path would do; not worth a case: no model of ours has such rows)
@@ -618,14 +661,14 @@ void matmul(void* out, MatmulOutput out_type, Epilogue epilogue, const bf16* x, 
                              std::find(kernels.begin(), kernels.end(), GemvKernel::TensorCores) != kernels.end();
   if (row_invariant) kernels = {GemvKernel::TensorCores};
   if (epilogue != Epilogue::ResidualNorm || kernels.empty())
-    return run(matmul.choose(key, kernels, !row_invariant, epilogue != Epilogue::Store, run, stream));
+    return run(matmul.choose(key, kernels, !row_invariant, epilogue != Epilogue::Store, run, stream), stream);
   // Timing runs add into the residual stream: it is put back before the real run.
   DeviceBuffer<float> saved(size_t(rows) * out_features);
   CUDA_CHECK(cudaMemcpyAsync(saved.data(), norm.residual, saved.bytes(), cudaMemcpyDeviceToDevice, stream));
   const MatmulPath path = matmul.choose(key, kernels, !row_invariant, true, run, stream);
   CUDA_CHECK(cudaMemcpyAsync(norm.residual, saved.data(), saved.bytes(), cudaMemcpyDeviceToDevice, stream));
   CUDA_CHECK(cudaStreamSynchronize(stream));  // before `saved` is freed
-  run(path);
+  run(path, stream);
 }
 
 }  // namespace

@@ -70,13 +70,14 @@ void matmul_residual_rmsnorm_forward(__nv_bfloat16* delta, const __nv_bfloat16* 
 
 // The GEMVs alone: on the CUDA cores with 1 or 4 output features per warp
 // (1..8 rows, in_features a multiple of 8), or on the tensor cores (1..64
-// rows, in_features a multiple of 32). The products above time each against
+// rows, in_features a multiple of 32; past 16 rows also in groups of 16 rows,
+// a block row each). The products above time each against
 // cuBLASLt on a shape's first use and keep the fastest; tests hold each to
 // the CPU and to the unfused kernels. Silu / GeluTanh: weight and bias are
 // gate|up, out [rows, out] the activation; ResidualNorm: out is the delta and
 // `norm` as above. Fused epilogues write bf16.
 enum class GemvEpilogue { Store, Silu, GeluTanh, ResidualNorm };
-enum class GemvKernel { None, OneFeaturePerWarp, FourFeaturesPerWarp, TensorCores };
+enum class GemvKernel { None, OneFeaturePerWarp, FourFeaturesPerWarp, TensorCores, TensorCoresInRowGroups };
 void gemv_matmul_forward(void* out, MatmulOutput out_type, GemvEpilogue epilogue, GemvKernel kernel,
                          const __nv_bfloat16* x, const __nv_bfloat16* weight, const __nv_bfloat16* bias, int rows,
                          int in_features, int out_features, const ResidualNorm& norm, cudaStream_t stream);
