@@ -3,7 +3,7 @@
 // context and the draft step on the device (spec/cuda_drafter.h). Chosen by
 // load_draft_source() when the target is a CUDA target.
 #pragma once
-#include <map>
+#include <unordered_map>
 
 #include "spec/cuda_drafter.h"
 #include "spec/draft_source.h"
@@ -41,7 +41,7 @@ class CudaDSparkSource final : public DraftSource {
   CudaDrafter drafter_;
   float min_confidence_;
   bool calibrated_thresholds_;
-  std::map<int, RowState> rows_;
+  std::unordered_map<int, RowState> rows_;  // by request row (looked up once per row and round)
   std::vector<DraftResult> results_;
 };
 

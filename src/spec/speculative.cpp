@@ -85,6 +85,10 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   DSPARK_CHECK(options.max_active >= 0, "max_active must not be negative");
   const size_t most_active = options.max_active > 0 ? size_t(options.max_active) : prompts.size();
   size_t admitted = 0;
+  // The requests admitted and not done, in admission order: a round looks at
+  // these, not at every request admitted so far (at batch 64 of 160 requests
+  // the scan of them all took ~2 us a round, ~1% of the round).
+  std::vector<size_t> running;
   const auto start = Clock::now();
 
   // Admission: every prompt token but the last enters the cache (and the
@@ -101,8 +105,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   prefill_request.taps = taps;
   prefill_request.taps_on_device = taps_on_device;
   auto admit = [&](bool at_start) {
-    size_t in_flight = 0;
-    for (size_t r = 0; r < admitted; ++r) in_flight += !requests[r].done;
+    size_t in_flight = running.size();
     inputs.clear();
     owners.clear();
     for (; admitted < prompts.size() && in_flight < most_active; ++admitted, ++in_flight) {
@@ -119,6 +122,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       request.result.stats.accepted_at.assign(options.gamma, 0);
       source.begin(int(r), prompt, stream_seed(options.seed, int(r), 1));
       request.fresh = !at_start && prompt.size() > 1;
+      running.push_back(r);
       if (at_start && prompt.size() > 1) {
         inputs.push_back({request.sequence, std::span(prompt).first(prompt.size() - 1), false});
         owners.push_back(r);
@@ -153,7 +157,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     // Requests already decoding first (they may draft), then the fresh ones.
     size_t established = 0;
     for (bool fresh : {false, true})
-      for (size_t r = 0; r < admitted; ++r) {
+      for (size_t r : running) {
         Request& request = requests[r];
         if (request.done || request.fresh != fresh) continue;
         const int length = target.sequence_length(request.sequence);
@@ -312,6 +316,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
         target.release_sequence(requests[r].sequence);
         source.end(r);
       }
+    std::erase_if(running, [&](size_t r) { return requests[r].done; });
     if (timing) {
       ++timing->rounds;
       timing->draft_seconds += std::chrono::duration<double>(verify_start - round_start).count();
