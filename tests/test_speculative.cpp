@@ -585,8 +585,8 @@ TEST_P(SamplingLossless, EmittedTokensHaveTheTargetsDistribution) {
   options.sampling = c.sampling;
   // 50 rows a round: a position is admitted while its survival exceeds τ*/(200 + B), about 0.2
   // to 0.25 here, so the cuts vary with the confidences. Padded, raising L
-  // costs 50 tokens at once: at 0.1 ms a token it pays for a survival above
-  // about τ*/200 (0.25 to 0.4), and the rows' fill follows.
+  // adds 50 tokens at once: at 1e-4 of the step's fixed cost a token it pays
+  // for a survival above about τ*/200 (0.25 to 0.4), and the rows' fill follows.
   PrefixScheduler scheduler(linear_sps(c.padded ? 0.0001 : 0.005),
                             c.gate ? std::optional(DraftCostProfile{{1}, {50.0}}) : std::nullopt, c.padded);
   if (c.alg1) options.scheduler = &scheduler;

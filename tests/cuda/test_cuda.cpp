@@ -205,9 +205,9 @@ TEST(CudaOps, GemvKernelsMatchCpuAndTheirFusedEpiloguesEqualTheUnfusedKernels) {
   // block. The plain product matches the CPU; four features per warp give
   // exactly the one-feature bits (the same summation order); on the tensor
   // cores, whole or in row groups of 16, every row has exactly the bits of the
-  // same row multiplied alone (the target's decode and verify steps rely on it); a fused epilogue gives
-  // exactly the bits of the kernel's plain product followed by the activation
-  // or norm kernel. in = 288: a multiple of 32 but not of the tensor cores'
+  // same row multiplied alone (the target's decode and verify steps rely on
+  // it); a fused epilogue gives exactly the bits of the kernel's plain product
+  // followed by the activation or norm kernel. in = 288: a multiple of 32 but not of the tensor cores'
   // chunk of 64. 48 features per SM: products of 1.5 to 3 waves of two
   // blocks per SM, which the tensor cores run three per SM from 1 to 8 rows
   // (FEW_WAVES), so those rows are also held to the 9-64-row products' rows.
