@@ -23,6 +23,9 @@ namespace {
 
 using testing::TemporaryDirectory;
 
+// The gate's smoothing: each round's estimate moves its gain an eighth of the way.
+constexpr double kMove = 1.0 / 8, kStay = 1 - kMove;
+
 // A profile from (B, SPS) pairs.
 SpsProfile profile(std::vector<int> tokens, std::vector<double> rates) { return {std::move(tokens), std::move(rates)}; }
 
@@ -235,11 +238,15 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
   PrefixScheduler dear(flat, DraftCostProfile{{1}, {0.1}});
   EXPECT_EQ(gate_pattern(dear, 19, good, good), "D.D..D....D........");
   // Near the break-even point (10 ms): poor rounds gain 0.525, good ones 1.355;
-  // the gain, smoothed by quarters, goes 0.525, 0.73, 0.89, 1.006: drafting
-  // resumes every round.
+  // the gain, smoothed by eighths, goes 0.525, 0.63, 0.72, 0.80, 0.87, 0.93,
+  // 0.98, 1.03 over the probes that follow runs of 1, 2, 4, ... 32 plain
+  // rounds (at one row at most 32, a near miss of 0.9 or more included):
+  // drafting then resumes every round.
   PrefixScheduler even(flat, DraftCostProfile{{1}, {0.01}});
-  EXPECT_EQ(gate_pattern(even, 14, poor, good), "D.D..D....DDDD");
-  EXPECT_NEAR(even.gain(), 1.355 - (1.355 - 0.525) * std::pow(0.75, 6), 1e-6);  // six good rounds
+  std::string resumes = "D";
+  for (int run : {1, 2, 4, 8, 16, 32, 32}) resumes += std::string(run, '.') + "D";
+  EXPECT_EQ(gate_pattern(even, int(resumes.size()) + 3, poor, good), resumes + "DDD");
+  EXPECT_NEAR(even.gain(), 1.355 - (1.355 - 0.525) * std::pow(kStay, 10), 1e-6);  // ten good rounds
   // Four rows: a closed gate probes with one row, whose round is scaled to
   // four for the estimate (the same gain as four such rows drafting), and
   // verifies none of its drafts (the round stays a plain step).
@@ -300,11 +307,12 @@ TEST(PrefixScheduler, GateScalesItsEstimateByTimedRounds) {
   // The profiles predict 10 + 1 ms a round (gain 2.46); each drafted round takes 40 ms.
   PrefixScheduler slow(flat, DraftCostProfile{{1}, {0.001}});
   // gain: 2.46 until three drafted rounds are timed (the first round has no
-  // drafted round before it), then a quarter of the way to 2.71 / 40 ms / 100
-  // = 0.68 each drafted round.
-  EXPECT_EQ(gate_pattern(slow, 12, good, good, [](bool drafted) { return drafted ? 0.040 : 0.010; }), "DDDDDDDDDD.D");
+  // drafted round before it), then an eighth of the way to 2.71 / 40 ms / 100
+  // = 0.68 each drafted round: below 1 after the thirteenth such round.
+  EXPECT_EQ(gate_pattern(slow, 19, good, good, [](bool drafted) { return drafted ? 0.040 : 0.010; }),
+            "DDDDDDDDDDDDDDDDD.D");
   const double untimed_gain = e_good / 0.011 / 100, timed_gain = e_good / 0.040 / 100;
-  EXPECT_NEAR(slow.gain(), timed_gain + (untimed_gain - timed_gain) * std::pow(0.75, 7), 1e-6);
+  EXPECT_NEAR(slow.gain(), timed_gain + (untimed_gain - timed_gain) * std::pow(kStay, 14), 1e-6);
   // One slow round among timed ones that keep to the prediction moves nothing (a median).
   PrefixScheduler lone(flat, DraftCostProfile{{1}, {0.001}});
   int drafted = 0;
@@ -340,7 +348,7 @@ TEST(PrefixScheduler, GateScalesItsEstimateByTimedRounds) {
   }
   // (the drafted rounds' ratio counts from the fourth: the first is untimed)
   const double against_timed = e_good / 0.030 / (1 / 0.020), untimed = e_good / 0.011 / (1 / 0.020);
-  EXPECT_NEAR(dear_plain.gain(), against_timed + (untimed - against_timed) * std::pow(0.75, 4), 1e-6);
+  EXPECT_NEAR(dear_plain.gain(), against_timed + (untimed - against_timed) * std::pow(kStay, 4), 1e-6);
   // A drafted round that also takes in a new request's prompt (continuous
   // batching) replays no graph either, and plain decoding pays that per
   // request too. Where few drafted rounds admit, such a round is not timed;
@@ -364,9 +372,9 @@ TEST(PrefixScheduler, GateScalesItsEstimateByTimedRounds) {
   };
   EXPECT_NEAR(admitting(4), g0, 1e-6);  // a quarter admit: those are not timed
   // Every round admits: rounds 11 on are timed (a share of 1 - (15/16)^11 >=
-  // 1/2), the ratio counts from the third of them, and the gain moves a
-  // quarter of the way to g0 / 2 in each of the 26 rounds left.
-  EXPECT_NEAR(admitting(1), g0 / 2 + g0 / 2 * std::pow(0.75, 26), 1e-6);
+  // 1/2), the ratio counts from the third of them, and the gain moves an
+  // eighth of the way to g0 / 2 in each of the 26 rounds left.
+  EXPECT_NEAR(admitting(1), g0 / 2 + g0 / 2 * std::pow(kStay, 26), 1e-6);
 }
 
 // A batch runs until its last row is done, so the gate's estimate follows
@@ -434,7 +442,7 @@ TEST(PrefixScheduler, ProbeStandsForEveryRowAsAlg1WouldScheduleThem) {
   // Four copies: every first position, then every second (B = 12, 11 ms),
   // e = 1 + 0.9 + 0.45 a row; alone the row would have verified one (e = 1.9).
   const double e = 1 + double(0.9f) + double(0.9f) * double(0.5f);
-  EXPECT_NEAR(scheduler.gain(), 0.75 * first + 0.25 * (4 * e / 0.0114 / 400), 1e-9);
+  EXPECT_NEAR(scheduler.gain(), kStay * first + kMove * (4 * e / 0.0114 / 400), 1e-9);
 }
 
 // The slowest row is judged by its pace over the rounds it drafted, not by
@@ -457,7 +465,7 @@ TEST(PrefixScheduler, SlowestRowIsJudgedByItsSmoothedPace) {
   ASSERT_EQ(turns.rows_to_draft(Outlook({60, 62})), 2);
   turns.schedule(std::vector<Proposal>{poor, good}, verify);
   const double paced = (e_good + e_poor) / 2;  // each row's smoothed e_r
-  EXPECT_NEAR(turns.gain(), 0.75 * gain_of(e_poor) + 0.25 * gain_of(paced), 1e-6);
+  EXPECT_NEAR(turns.gain(), kStay * gain_of(e_poor) + kMove * gain_of(paced), 1e-6);
   // A probe's one row stands for the slowest of both by the share the
   // slowest took of the rows' mean pace where both drafted.
   PrefixScheduler probed(flat, DraftCostProfile{{1}, {0.0001}});
@@ -466,20 +474,20 @@ TEST(PrefixScheduler, SlowestRowIsJudgedByItsSmoothedPace) {
   const double share = e_poor / ((e_good + e_poor) / 2);
   ASSERT_EQ(probed.rows_to_draft(Outlook({63, 63})), 2);
   probed.schedule(std::vector<Proposal>{good, Proposal{}}, verify);
-  EXPECT_NEAR(probed.gain(), 0.75 * gain_of(e_poor) + 0.25 * gain_of(e_good * share), 1e-6);
+  EXPECT_NEAR(probed.gain(), kStay * gain_of(e_poor) + kMove * gain_of(e_good * share), 1e-6);
   // At four rows, where no round has had every row draft yet, the share
   // measured at two stands in (the slowest of more rows is slower still).
   const double before = probed.gain();
   ASSERT_EQ(probed.rows_to_draft(Outlook(std::vector<int>(4, 62))), 4);
   probed.schedule(std::vector<Proposal>{good, Proposal{}, Proposal{}, Proposal{}}, verify);
-  EXPECT_NEAR(probed.gain(), 0.75 * before + 0.25 * e_good * share / (0.01 + 0.0004) / 100, 1e-6);
+  EXPECT_NEAR(probed.gain(), kStay * before + kMove * e_good * share / (0.01 + 0.0004) / 100, 1e-6);
   // A request that starts under a row's id (a longer remaining length) starts its pace afresh.
   PrefixScheduler reused(flat, DraftCostProfile{{1}, {0.0001}});
   ASSERT_EQ(reused.rows_to_draft(Outlook({4, 4})), 2);
   reused.schedule(std::vector<Proposal>{good, good}, verify);
   ASSERT_EQ(reused.rows_to_draft(Outlook({64, 64})), 2);
   reused.schedule(std::vector<Proposal>{poor, poor}, verify);
-  EXPECT_NEAR(reused.gain(), 0.75 * gain_of(e_good) + 0.25 * gain_of(e_poor), 1e-6);
+  EXPECT_NEAR(reused.gain(), kStay * gain_of(e_good) + kMove * gain_of(e_poor), 1e-6);
 }
 
 TEST(DraftCostProfile, MeasuredForTheSourceAndCachedBesideSps) {

@@ -30,7 +30,7 @@ constexpr int kMaxUndraftedRounds = 512;
 // at most kMaxUndraftedRoundsNear plain rounds (scheduler.h).
 constexpr double kNearMiss = 0.9;
 constexpr int kMaxUndraftedRoundsNear = 128;
-constexpr double kGainWeight = 0.25;           // each round's estimate moves the gain a quarter of the way
+constexpr double kGainWeight = 1.0 / 8;        // each round's estimate moves the gain an eighth of the way
 constexpr double kAdmittingWeight = 1.0 / 16;  // ... and the share of drafted rounds that admit
 constexpr double kOneOffRatio = 4.0;  // observe_round ignores rounds that took longer than this x their prediction
 
@@ -749,9 +749,9 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   if (gate_->gain.value >= 1.0) {
     gate_->backoff = 1;
   } else {  // plain rounds for a while, then one row drafts again to look
-    const int longest = gate_->gain.value >= kNearMiss ? kMaxUndraftedRoundsNear
-                        : R > 1                        ? kMaxUndraftedRounds
-                                                       : kMaxUndraftedRoundsAlone;
+    // (A near miss at one row keeps the shorter cap of one row.)
+    const int longest = std::min(gate_->gain.value >= kNearMiss ? kMaxUndraftedRoundsNear : kMaxUndraftedRounds,
+                                 R > 1 ? kMaxUndraftedRounds : kMaxUndraftedRoundsAlone);
     gate_->undrafted_left = std::min(gate_->backoff, longest);
     gate_->backoff = std::min(2 * gate_->backoff, longest);
   }

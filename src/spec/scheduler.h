@@ -25,10 +25,14 @@
 // faster. With a measured D(R), PrefixScheduler keeps a running estimate of
 // the gain of the rounds it scheduled, the predicted tokens per second
 // R·τ_b/(1/SPS(B) + D(R)) of a round where all R rows draft over plain
-// decoding's measured R·P(R), smoothed by quarters (one round's confidences
+// decoding's measured R·P(R), smoothed by eighths (one round's confidences
 // are noisy: smoothed by halves, two poor rounds in a row shut a gate that
-// pays 1.3x on average), and while it is below 1 leaves rounds undrafted
-// (plain steps: each row's pending token alone). Then one row drafts, to
+// pays 1.3x on average; by quarters, on the H100, hard rounds shut it for
+// 40-48% of the rounds at batch 1 and 59-64% at batch 2: 1.26-1.32x and
+// 1.13-1.15x where drafting every round ran 1.32-1.37x and 1.17-1.25x; by
+// eighths, 7-17% and none: 1.33-1.35x and 1.20-1.25x; by sixteenths, batch 8,
+// where drafting loses, drafted for too long), and while it is below 1
+// leaves rounds undrafted (plain steps: each row's pending token alone). Then one row drafts, to
 // look again (a probe), after 1, 2, 4, ... 512 plain rounds (32 at one row;
 // 128 where the estimate is a near miss, 0.9 or more: under continuous
 // batching the rows are other requests some rounds later, and at R > 1 a
