@@ -613,14 +613,7 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
     auto found = graphs_.find(shape);
     if (found == graphs_.end()) {
       ++warm_up_runs_;
-      cudaGraph_t graph;
-      CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-      run_step(shape, shape.taps, false);
-      CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-      cudaGraphExec_t executable;
-      CUDA_CHECK(cudaGraphInstantiate(&executable, graph, 0));
-      CUDA_CHECK(cudaGraphDestroy(graph));
-      found = graphs_.emplace(shape, executable).first;
+      found = graphs_.emplace(shape, cuda::capture_graph(stream_, [&] { run_step(shape, shape.taps, false); })).first;
     }
     CUDA_CHECK(cudaGraphLaunch(found->second, stream_));
   } else {

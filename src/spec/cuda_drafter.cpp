@@ -789,23 +789,12 @@ void CudaDrafter::draft_chunk(std::span<const CudaDraftRequest> requests, const 
 
 cudaGraphExec_t CudaDrafter::capture(const std::function<void()>& work) {
   ++warm_up_runs_;  // (each capture follows the shape's eager first pass)
-  cudaStream_t s = stream_;
-  cudaGraph_t captured = nullptr;
-  CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
   try {
-    work();
-  } catch (...) {  // leave the stream usable: end the capture, run eagerly from now on
-    cudaStreamEndCapture(s, &captured);
-    if (captured) cudaGraphDestroy(captured);
-    cudaGetLastError();
+    return cuda::capture_graph(stream_, work);
+  } catch (...) {  // the stream stays usable (capture_graph): run eagerly from now on
     use_graphs_ = false;
     throw;
   }
-  CUDA_CHECK(cudaStreamEndCapture(s, &captured));
-  cudaGraphExec_t executable;
-  CUDA_CHECK(cudaGraphInstantiate(&executable, captured, 0));
-  CUDA_CHECK(cudaGraphDestroy(captured));
-  return executable;
 }
 
 // The kernels of one step for a bucket of `rows` rows, in order; the same eager or captured.

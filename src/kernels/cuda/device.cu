@@ -81,6 +81,24 @@ void hold_stream(cudaStream_t stream, int microseconds) {
   CUDA_CHECK_LAUNCH();
 }
 
+cudaGraphExec_t capture_graph(cudaStream_t stream, const std::function<void()>& work) {
+  cudaGraph_t captured = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    work();
+  } catch (...) {
+    cudaStreamEndCapture(stream, &captured);
+    if (captured) cudaGraphDestroy(captured);
+    cudaGetLastError();  // (the capture's error, if any, is not the caller's next one)
+    throw;
+  }
+  CUDA_CHECK(cudaStreamEndCapture(stream, &captured));
+  cudaGraphExec_t executable;
+  CUDA_CHECK(cudaGraphInstantiate(&executable, captured, 0));
+  CUDA_CHECK(cudaGraphDestroy(captured));
+  return executable;
+}
+
 double measure_copy_bandwidth(size_t bytes) {
   void *source = nullptr, *destination = nullptr;
   CUDA_CHECK(cudaMalloc(&source, bytes));

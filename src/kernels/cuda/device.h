@@ -2,6 +2,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <functional>
 #include <string>
 
 namespace dspark::cuda {
@@ -31,5 +32,11 @@ double measure_copy_bandwidth(size_t bytes);
 // that the host can queue the work after it ahead of the GPU: a profiler's
 // events then time kernels back to back, not the host's launch rate.
 void hold_stream(cudaStream_t stream, int microseconds);
+
+// The work `work` queues on `stream`, captured as a CUDA graph and
+// instantiated (the caller owns the result: cudaGraphExecDestroy). When
+// `work` throws, the capture is ended and dropped, so the stream stays usable,
+// and the exception goes on.
+cudaGraphExec_t capture_graph(cudaStream_t stream, const std::function<void()>& work);
 
 }  // namespace dspark::cuda

@@ -455,13 +455,9 @@ float time_launches(Launch launch, cudaStream_t stream, int runs = 7) {
   CUDA_CHECK(cudaStreamSynchronize(stream));  // its work wrote the inputs
   cudaStream_t timing;
   CUDA_CHECK(cudaStreamCreateWithFlags(&timing, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  CUDA_CHECK(cudaStreamBeginCapture(timing, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < kTimedLaunches; ++i) launch(timing);
-  CUDA_CHECK(cudaStreamEndCapture(timing, &graph));
-  cudaGraphExec_t executable;
-  CUDA_CHECK(cudaGraphInstantiate(&executable, graph, 0));
-  CUDA_CHECK(cudaGraphDestroy(graph));
+  const cudaGraphExec_t executable = capture_graph(timing, [&] {
+    for (int i = 0; i < kTimedLaunches; ++i) launch(timing);
+  });
   auto replay = [&] { CUDA_CHECK(cudaGraphLaunch(executable, timing)); };
   cudaEvent_t start, stop;
   CUDA_CHECK(cudaEventCreate(&start));
