@@ -21,6 +21,12 @@ for library in libopenblas.so.0 libpcre2-8.so.0 libutf8proc.so.2 libgfortran.so.
   [ -n "$path" ] && cp -L "$path" ".device/lib/$library"
 done
 
+# The kernel tracer (README: Layout) and the CUPTI it loads, where CUPTI is installed here.
+if [ -e build/libdspark_kernel_trace.so ]; then
+  cp build/libdspark_kernel_trace.so .device/lib/
+  cp -L "$(ldd build/libdspark_kernel_trace.so | awk '$1 ~ /^libcupti/ { print $3 }')" .device/lib/
+fi
+
 # Copies every library `binary` loads into directory $2, except the C/C++
 # runtime and CUDA (the image has its own) and what .device/lib holds.
 copy_libraries() {
