@@ -165,7 +165,7 @@ class CudaTarget final : public Target {
   void ensure_blocks(SequenceState& sequence, int length);
   void ensure_capacity(long tokens, long sequences);
   int attention_splits(int longest_sequence) const;
-  void ensure_split_capacity(long splits, long tokens);
+  void ensure_split_capacity(const StepShape& shape);
   void forget_graphs();
   void forward_chunk(std::span<const TargetInput> inputs, const TargetRequest& request, TargetResult& result);
   void run_step(const StepShape& shape, std::span<const int> taps, bool score);
@@ -206,6 +206,7 @@ class CudaTarget final : public Target {
   long tap_ring_serial_ = 0;         // tapped steps that used the ring so far (their slot: serial mod slots)
   DeviceBuffer<bf16> normed_, qkv_, queries_, attention_, projected_, gate_up_, activated_, head_input_;
   DeviceBuffer<unsigned> norm_counter_;  // the fused GEMV + norm's block count, 0 between launches
+  DeviceBuffer<unsigned> attention_counters_;  // the splits finished per attention CTA row, 0 between launches
   DeviceBuffer<int32_t> chosen_;
   PinnedBuffer<int32_t> chosen_host_;
   PinnedBuffer<float> nll_host_;
@@ -427,13 +428,21 @@ int CudaTarget::attention_splits(int longest_sequence) const {
   return static_cast<int>(std::bit_ceil(unsigned(std::max(needed, 1))));
 }
 
-void CudaTarget::ensure_split_capacity(long splits, long tokens) {
+void CudaTarget::ensure_split_capacity(const StepShape& shape) {
   const ModelConfig& c = config_;
-  const long row_heads = splits * tokens * c.num_heads;
-  if (splits <= 1 || long(partial_lse_.size()) >= row_heads) return;
-  const long capacity = grown_size(row_heads, long(partial_lse_.size()));
-  partial_out_.resize(capacity * c.head_dim);
-  partial_lse_.resize(capacity);
+  if (shape.splits <= 1) return;
+  const long row_heads = long(shape.splits) * shape.tokens * c.num_heads;
+  const long counters = cuda::attention_counters(shape.sequences, shape.max_query_length, c.num_heads, c.num_kv_heads);
+  if (long(partial_lse_.size()) >= row_heads && long(attention_counters_.size()) >= counters) return;
+  if (long(partial_lse_.size()) < row_heads) {
+    const long capacity = grown_size(row_heads, long(partial_lse_.size()));
+    partial_out_.resize(capacity * c.head_dim);
+    partial_lse_.resize(capacity);
+  }
+  if (long(attention_counters_.size()) < counters) {
+    attention_counters_.resize(grown_size(counters, long(attention_counters_.size())));
+    CUDA_CHECK(cudaMemset(attention_counters_.data(), 0, attention_counters_.bytes()));
+  }
   forget_graphs();  // they point at the old buffers
 }
 
@@ -536,7 +545,7 @@ void CudaTarget::forward_chunk(std::span<const TargetInput> inputs, const Target
   // same splits for both, so they agree to the bit); a prefill chunk's many
   // query rows fill the GPU without it and would need [splits, T] partials.
   shape.splits = shape.few_tokens() ? attention_splits(longest_sequence) : 1;
-  ensure_split_capacity(shape.splits, shape.tokens);
+  ensure_split_capacity(shape);
 
   // Pack the metadata.
   uint32_t* words = staging_.data();
@@ -709,7 +718,7 @@ void CudaTarget::run_step(const StepShape& shape, std::span<const int> taps, boo
     }
     cuda::attention_forward(attention_.data(), queries_.data(), key_cache_[l].data(), value_cache_[l].data(), batch, T,
                             c.num_heads, c.num_kv_heads, c.head_dim, shape.splits, partial_out_.data(),
-                            partial_lse_.data(), s, rope_in_attention ? &rope : nullptr);
+                            partial_lse_.data(), attention_counters_.data(), s, rope_in_attention ? &rope : nullptr);
     p.mark("attention", s);
     // x += attention @ o_proj^T; normed = rms(x, post_attention_norm)
     const cuda::ResidualNorm attention_norm{.residual = x, .weight = w.post_attention_norm.data(),

@@ -314,12 +314,14 @@ const CudaDrafter::Context& CudaDrafter::context(int id) const {
 
 int CudaDrafter::create_context() {
   contexts_.emplace(next_context_, Context{});
+  peak_contexts_ = std::max(peak_contexts_, contexts_.size());
   return next_context_++;
 }
 
 void CudaDrafter::release_context(int id) {
-  context(id);
+  Context& released = context(id);
   wait_for_extend_staging();  // an extension pass in flight may still write into it
+  keep_spare_storage(std::move(released.storage));
   contexts_.erase(id);
   if (contexts_.empty()) {  // rows still held (of ended requests) are no one's: do not read them later
     pending_sources_.clear();
@@ -426,16 +428,33 @@ void CudaDrafter::wait_for_extend_staging() {
 
 void CudaDrafter::grow_context(Context& c, int rows) {
   if (rows <= c.capacity) return;
-  const int capacity = std::max({rows, 2 * c.capacity, 64});
-  const long row = 2L * config_.d_draft;
-  DeviceBuffer<bf16> storage(size_t(config_.num_layers) * capacity * row);
+  const long row = 2L * config_.d_draft, layer_rows = config_.num_layers * row;
+  DeviceBuffer<bf16> storage = take_storage(size_t(std::max({rows, 2 * c.capacity, 64})) * layer_rows);
+  const int capacity = static_cast<int>(storage.size() / layer_rows);  // a spare may hold more
   for (int l = 0; l < config_.num_layers && c.length > 0; ++l)
     CUDA_CHECK(cudaMemcpyAsync(storage.data() + l * capacity * row, c.storage.data() + l * c.capacity * row,
                                c.length * row * sizeof(bf16), cudaMemcpyDeviceToDevice, stream_));
-  CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old storage is freed below
-  extend_in_flight_ = false;
-  c.storage = std::move(storage);
+  keep_spare_storage(std::exchange(c.storage, std::move(storage)));  // (read by the copies above first)
   c.capacity = capacity;
+}
+
+DeviceBuffer<bf16> CudaDrafter::take_storage(size_t count) {
+  auto best = spare_storage_.end();
+  for (auto spare = spare_storage_.begin(); spare != spare_storage_.end(); ++spare)
+    if (spare->size() >= count && (best == spare_storage_.end() || spare->size() < best->size())) best = spare;
+  if (best == spare_storage_.end()) return DeviceBuffer<bf16>(count);
+  DeviceBuffer<bf16> storage = std::move(*best);
+  spare_storage_.erase(best);
+  return storage;
+}
+
+void CudaDrafter::keep_spare_storage(DeviceBuffer<bf16> storage) {
+  if (storage.size() == 0) return;
+  spare_storage_.push_back(std::move(storage));
+  if (spare_storage_.size() <= peak_contexts_) return;
+  auto smallest = std::min_element(spare_storage_.begin(), spare_storage_.end(),
+                                   [](const auto& a, const auto& b) { return a.size() < b.size(); });
+  spare_storage_.erase(smallest);  // freed: waits for the device, as every free did before
 }
 
 void CudaDrafter::flush_contexts() {

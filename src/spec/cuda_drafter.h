@@ -260,6 +260,16 @@ class CudaDrafter {
   // Retained contexts and the batched pass that extends them.
   std::map<int, Context> contexts_;
   int next_context_ = 0;
+  // Storage of released contexts (and the smaller one a context grew out of),
+  // reused by the next context that needs as much: a cudaFree per request
+  // waited for the whole device (the target's forward in flight included).
+  // Safe without a synchronisation: storage is only read and written by work
+  // on stream_, so a new owner's writes queue after the old owner's reads.
+  // At most peak_contexts_ kept (then the smallest goes).
+  std::vector<cuda::DeviceBuffer<bf16>> spare_storage_;
+  size_t peak_contexts_ = 0;
+  cuda::DeviceBuffer<bf16> take_storage(size_t count);  // a spare of at least `count`, or a new one
+  void keep_spare_storage(cuda::DeviceBuffer<bf16> storage);
   long extend_sources_offset_ = 0;  // byte offset of each row's source (kernels/cuda/draft.h) in the extension staging
   long extend_taps_offset_ = 0;     // byte offset of the tapped rows in the extension staging
   cuda::PinnedBuffer<unsigned char> extend_staging_;

@@ -386,8 +386,11 @@ TEST(CudaOps, PagedAttentionMatchesCpu) {
   for (int splits : {1, fewest, fewest + 1, 16}) {
     DeviceBuffer<bf16> out(total_rows * heads * head_dim);
     DeviceBuffer<float> partial_out(splits * total_rows * heads * head_dim), partial_lse(splits * total_rows * heads);
+    auto counters = to_device(std::vector<unsigned>(cuda::attention_counters(3, 9, heads, kv_heads), 0));
     cuda::attention_forward(out.data(), q_device.data(), keys_device.data(), values_device.data(), batch, total_rows,
-                            heads, kv_heads, head_dim, splits, partial_out.data(), partial_lse.data(), nullptr);
+                            heads, kv_heads, head_dim, splits, partial_out.data(), partial_lse.data(), counters.data(),
+                            nullptr);
+    EXPECT_EQ(from_device(counters), std::vector<unsigned>(counters.size(), 0)) << "left for the next call";
     EXPECT_LE(relative_error(from_device(out).data(), expected.data(), expected.size()), kBf16Tolerance)
         << "splits " << splits;
   }
@@ -447,6 +450,7 @@ TEST(CudaOps, AttentionWithRopeInsideEqualsRopeThenAttention) {
     const float* k_norm_used = with_norm ? k_norm_device.data() : nullptr;
     for (int splits : {1, fewest, 16}) {
       DeviceBuffer<float> partial_out(splits * total_rows * heads * head_dim), partial_lse(splits * total_rows * heads);
+      auto counters = to_device(std::vector<unsigned>(cuda::attention_counters(3, 16, heads, kv_heads), 0));
       // The RoPE kernel, then the attention.
       auto keys_separate = to_device_bf16(pool_keys), values_separate = to_device_bf16(pool_values);
       DeviceBuffer<bf16> queries(total_rows * heads * head_dim), out_separate(total_rows * heads * head_dim);
@@ -456,7 +460,7 @@ TEST(CudaOps, AttentionWithRopeInsideEqualsRopeThenAttention) {
                                        head_dim, 1e-6f, nullptr);
       cuda::attention_forward(out_separate.data(), queries.data(), keys_separate.data(), values_separate.data(), batch,
                               total_rows, heads, kv_heads, head_dim, splits, partial_out.data(), partial_lse.data(),
-                              nullptr);
+                              counters.data(), nullptr);
       // Both inside the attention.
       auto keys_fused = to_device_bf16(pool_keys), values_fused = to_device_bf16(pool_values);
       DeviceBuffer<bf16> out_fused(total_rows * heads * head_dim);
@@ -464,8 +468,8 @@ TEST(CudaOps, AttentionWithRopeInsideEqualsRopeThenAttention) {
                                      positions_device.data(), rope_table.data(),   slots_device.data(),
                                      keys_fused.data(),       values_fused.data(), 1e-6f};
       cuda::attention_forward(out_fused.data(), nullptr, keys_fused.data(), values_fused.data(), batch, total_rows,
-                              heads, kv_heads, head_dim, splits, partial_out.data(), partial_lse.data(), nullptr,
-                              &rope);
+                              heads, kv_heads, head_dim, splits, partial_out.data(), partial_lse.data(),
+                              counters.data(), nullptr, &rope);
       const std::string where = "splits " + std::to_string(splits) + (with_norm ? ", q/k norm" : ", no norm");
       EXPECT_EQ(from_device(out_fused), from_device(out_separate)) << where;
       EXPECT_EQ(from_device(keys_fused), from_device(keys_separate)) << where;

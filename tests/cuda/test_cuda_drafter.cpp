@@ -1074,6 +1074,19 @@ TEST_P(CudaDrafting, RetainedContextEqualsRecompute) {
   ASSERT_EQ(grown_keys.size(), size_t(96) * d);
   EXPECT_LE(relative_error(grown_keys.data(), keys.data(), size_t(12) * d), kBf16Tolerance);
   EXPECT_LE(relative_error(grown_keys.data() + size_t(80) * d, keys.data(), size_t(12) * d), kBf16Tolerance);
+  // Storage a context grew out of (64 rows) or left (128) serves the next
+  // context that fits in it: that one reads and drafts from its own rows.
+  gpu_->release_context(grown);
+  const int reused = gpu_context(12);
+  const int last = drafter_.config.num_layers - 1;
+  gpu_->read_context(reused, last, grown_keys, grown_values);
+  gpu_->read_context(whole, last, keys, values);
+  ASSERT_EQ(grown_keys.size(), keys.size());
+  EXPECT_LE(relative_error(grown_keys.data(), keys.data(), keys.size()), kBf16Tolerance);
+  EXPECT_LE(relative_error(grown_values.data(), values.data(), values.size()), kBf16Tolerance);
+  const CudaDraftRequest from_reused{reused, tokens_[12], nullptr};
+  gpu_->draft({&from_reused, 1}, options, regrown);
+  expect_matches_cpu(regrown[0], cpu, tokens_[12], "reused storage");
 }
 
 TEST_P(CudaDrafting, ExtendFromDeviceRowsStoresWhatHostRowsStore) {

@@ -9,9 +9,14 @@
 namespace dspark::cuda {
 namespace {
 
-// 16 warps, one query row each: a verify block's rows (up to 16 per kv head
+// 8 warps, one query row each: a verify block's rows (up to 8 per kv head
 // and CTA) are scored in parallel instead of four after one another per warp.
-constexpr int kWarps = 16;
+// With 16 a CTA, the demo target's batch-4 verify of 8 tokens (64 CTAs)
+// spent 6.0 us a layer in the attention after the q|k|v product, batch 1's
+// 4.3 (16 CTAs of the same work; whether from 16 warps issuing on one
+// multiprocessor or from CTAs sharing one, not pinned down). With 8: the
+// batch-4 verify of 8 tokens 0.204 -> 0.193 ms (with the merge below).
+constexpr int kWarps = 8;
 constexpr int kRowsPerWarp = kAttentionRowsPerBlock / kWarps;
 
 // grid: x = KV split, y = kv head, z = sequence * row_blocks + row block.
@@ -21,13 +26,13 @@ constexpr int kRowsPerWarp = kAttentionRowsPerBlock / kWarps;
 // head_dim/32 output dims.
 // ROPE: the step's queries, keys and values come from the QKV GEMM's output
 // (AttentionRope), normed and rotated here, instead of from q and the cache.
-// Two CTAs per SM (64 registers): a 16-token verify step's 256 CTAs at 8B
-// then run in one wave.
+// Four CTAs per SM (64 registers): a 16-token verify step's 512 CTAs at 8B
+// (8 splits at 256 positions) then run in one wave.
 template <int HEAD_DIM, bool ROPE>
-__global__ void __launch_bounds__(kWarps * 32, 2)
+__global__ void __launch_bounds__(kWarps * 32, 4)
     attention_kernel(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_cache, AttentionBatch batch,
                      int heads, int kv_heads, int splits, int row_blocks, float* partial_out, float* partial_lse,
-                     int total_rows, AttentionRope rope) {
+                     unsigned* counters, int total_rows, AttentionRope rope) {
   // Before the wait, this CTA reads what no kernel of this step writes: the
   // step's metadata and block tables (copied in before its first kernel) and
   // the cache rows of positions before the step's own tokens (written by
@@ -230,12 +235,15 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
       }
     }
   }
+  // This warp's r-th row of `out` (its query token and head), or -1 past the block's rows.
+  auto out_row_of = [&](int r) -> long {
+    const int row = first_row + r * kWarps + warp;
+    return row < rows ? static_cast<long>(query_start + row / group) * heads + kv_head * group + row % group : -1;
+  };
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
-    const int local = r * kWarps + warp, row = first_row + local;
-    if (row >= rows) continue;
-    const int token = row / group, head = kv_head * group + row % group;
-    const long out_row = static_cast<long>(query_start + token) * heads + head;
+    const long out_row = out_row_of(r);
+    if (out_row < 0) continue;
     const float inverse = running_sum[r] > 0.0f ? 1.0f / running_sum[r] : 0.0f;
 #pragma unroll
     for (int d = 0; d < kDimsPerLane; ++d) {
@@ -251,43 +259,56 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
       partial_lse[static_cast<long>(split) * total_rows * heads + out_row] =
           running_sum[r] > 0.0f ? running_max[r] + __logf(running_sum[r]) : -INFINITY;
   }
-}
+  if (splits == 1) return;
 
-// Merges the splits of one (row, head): softmax-weighted by each split's
-// log-sum-exp. One block per (row, head), one thread per dim; the loops are
-// unrolled so a split's loads do not wait for the previous split's.
-__global__ void merge_splits_kernel(bf16* out, const float* partial_out, const float* partial_lse, int splits,
-                                    long row_heads, int head_dim) {
-  wait_for_previous_kernel();
-  start_next_kernel();
-  const long row_head = blockIdx.x;
-  float maximum = -INFINITY;
-#pragma unroll 8
-  for (int s = 0; s < splits; ++s) maximum = fmaxf(maximum, partial_lse[s * row_heads + row_head]);
-  for (int dim = threadIdx.x; dim < head_dim; dim += blockDim.x) {
-    float total = 0.0f, weight_sum = 0.0f;
+  // The last split of this (sequence, kv head, row block) to finish merges
+  // them all, softmax-weighted by each split's log-sum-exp: a warp per row, a
+  // lane per dim, the splits in order, with the arithmetic (and the bits) of
+  // the merge kernel this replaces, which ended 2.6-2.9 us after this kernel
+  // in every step and layer (kernel trace, H100).
+  unsigned* counter = counters + static_cast<long>(blockIdx.z) * gridDim.y + blockIdx.y;
+  if (!took_last_ticket(counter, splits)) return;
+  const long row_heads = static_cast<long>(total_rows) * heads;
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const long out_row = out_row_of(r);
+    if (out_row < 0) continue;
+    float maximum = -INFINITY;
+    for (int s = lane; s < splits; s += 32) maximum = fmaxf(maximum, __ldcg(partial_lse + s * row_heads + out_row));
+    maximum = warp_max(maximum);
+    float total[kDimsPerLane] = {}, weight_sum = 0.0f;
 #pragma unroll 8
     for (int s = 0; s < splits; ++s) {
-      const float lse = partial_lse[s * row_heads + row_head];
+      const float lse = __ldcg(partial_lse + s * row_heads + out_row);
       if (lse == -INFINITY) continue;  // a split past this row's keys: adds exactly nothing
       const float weight = __expf(lse - maximum);
       weight_sum += weight;
-      total += weight * partial_out[(s * row_heads + row_head) * head_dim + dim];
+#pragma unroll
+      for (int d = 0; d < kDimsPerLane; ++d) {
+        const int dim = lane * kDimsPerLane + d;
+        if (dim < HEAD_DIM) total[d] += weight * __ldcg(partial_out + (s * row_heads + out_row) * HEAD_DIM + dim);
+      }
     }
-    out[row_head * head_dim + dim] = __float2bfloat16(weight_sum > 0.0f ? total / weight_sum : 0.0f);
+#pragma unroll
+    for (int d = 0; d < kDimsPerLane; ++d) {
+      const int dim = lane * kDimsPerLane + d;
+      if (dim < HEAD_DIM)
+        out[out_row * HEAD_DIM + dim] = __float2bfloat16(weight_sum > 0.0f ? total[d] / weight_sum : 0.0f);
+    }
   }
+  if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
 }
 
 template <int HEAD_DIM>
 void launch(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_cache, const AttentionBatch& batch,
             int total_rows, int heads, int kv_heads, int splits, float* partial_out, float* partial_lse,
-            cudaStream_t stream, const AttentionRope* rope) {
+            unsigned* counters, cudaStream_t stream, const AttentionRope* rope) {
   const int row_blocks =
       ceil_div(static_cast<long>(batch.max_query_length) * (heads / kv_heads), kAttentionRowsPerBlock);
   const dim3 grid(splits, kv_heads, batch.sequences * row_blocks);
   launch_dependent(rope ? attention_kernel<HEAD_DIM, true> : attention_kernel<HEAD_DIM, false>, grid, kWarps * 32, 0,
                    stream, out, q, key_cache, value_cache, batch, heads, kv_heads, splits, row_blocks, partial_out,
-                   partial_lse, total_rows, rope ? *rope : AttentionRope{});
+                   partial_lse, counters, total_rows, rope ? *rope : AttentionRope{});
   CUDA_CHECK_LAUNCH();
 }
 
@@ -556,7 +577,8 @@ void bidirectional_attention_forward(bf16* out, const bf16* q, const bf16* block
 
 void attention_forward(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_cache,
                        const AttentionBatch& batch, int total_rows, int heads, int kv_heads, int head_dim, int splits,
-                       float* partial_out, float* partial_lse, cudaStream_t stream, const AttentionRope* rope) {
+                       float* partial_out, float* partial_lse, unsigned* counters, cudaStream_t stream,
+                       const AttentionRope* rope) {
   auto launch_for_head_dim = head_dim == 16    ? launch<16>
                              : head_dim == 32  ? launch<32>
                              : head_dim == 64  ? launch<64>
@@ -564,13 +586,7 @@ void attention_forward(bf16* out, const bf16* q, const bf16* key_cache, const bf
                                                : nullptr;
   if (!launch_for_head_dim) fail("attention: head_dim ", head_dim, " is not supported (16, 32, 64, 128)");
   launch_for_head_dim(out, q, key_cache, value_cache, batch, total_rows, heads, kv_heads, splits, partial_out,
-                      partial_lse, stream, rope);
-  if (splits > 1) {
-    const long row_heads = static_cast<long>(total_rows) * heads;
-    launch_dependent(merge_splits_kernel, dim3(row_heads), dim3(min(head_dim, 256)), 0, stream, out, partial_out,
-                     partial_lse, splits, row_heads, head_dim);
-    CUDA_CHECK_LAUNCH();
-  }
+                      partial_lse, counters, stream, rope);
 }
 
 // ---- training ----

@@ -10,8 +10,8 @@
 //
 // Work is split three ways so short and long, few and many sequences all fill
 // the GPU: over (sequence, kv head, block of query rows) and over KV ranges
-// (split-KV / flash-decoding, merged by a second kernel through `partial_out`
-// [splits, T, nh, hd] and `partial_lse` [splits, T, nh]).
+// (split-KV / flash-decoding, through `partial_out` [splits, T, nh, hd] and
+// `partial_lse` [splits, T, nh], merged by the last split to finish).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -53,16 +53,25 @@ struct AttentionRope {
 
 // head_dim in {16, 32, 64, 128}. splits = 1 (one CTA per row block covers
 // every position), or splits >= ceil(longest sequence / (kSplitTiles *
-// kBlockSize)); the partial buffers are only used when splits > 1.
+// kBlockSize)); the partial buffers and `counters` (attention_counters(...)
+// of them, zeroed before the first call; every call leaves them zeroed) are
+// only used when splits > 1.
 // rope: null (q holds the step's queries and the cache its keys and values
 // already), or the step before, fused in (q is then unused).
 void attention_forward(__nv_bfloat16* out, const __nv_bfloat16* q, const __nv_bfloat16* key_cache,
                        const __nv_bfloat16* value_cache, const AttentionBatch& batch, int total_rows, int heads,
                        int kv_heads, int head_dim, int splits, float* partial_out, float* partial_lse,
-                       cudaStream_t stream, const AttentionRope* rope = nullptr);
+                       unsigned* counters, cudaStream_t stream, const AttentionRope* rope = nullptr);
 
 // Query rows one CTA handles (per kv head); sizes the grid.
-constexpr int kAttentionRowsPerBlock = 16;
+constexpr int kAttentionRowsPerBlock = 8;
+
+// The counters attention_forward needs for S sequences of at most
+// max_query_length query tokens: one per (sequence, row block, kv head).
+constexpr long attention_counters(int sequences, int max_query_length, int heads, int kv_heads) {
+  const long rows = long(max_query_length) * (heads / kv_heads);
+  return long(sequences) * ((rows + kAttentionRowsPerBlock - 1) / kAttentionRowsPerBlock) * kv_heads;
+}
 
 // KV tiles per split: split s covers positions [s, s + 1) * kSplitTiles * kBlockSize
 // when splits > 1. `splits` must then cover the longest sequence of the step;
