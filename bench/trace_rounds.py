@@ -18,6 +18,7 @@ import argparse
 import bisect
 import collections
 import csv
+import dataclasses
 import statistics
 
 TARGET_MARKS = ("select_tokens_kernel", "tap_ring_write_kernel")
@@ -29,6 +30,21 @@ def short(name):
     grid = name[name.rfind("[") :] if name.endswith("]") else ""
     function = name.replace("(anonymous namespace)", "").split("(")[0].split("<")[0].split("::")[-1].split(" ")[-1]
     return f"{function} {grid}".strip()
+
+
+@dataclasses.dataclass
+class Burst:
+    owner: str  # target, drafter or other
+    start: int
+    end: int
+    records: list = dataclasses.field(default_factory=list)  # (name, marginal time)
+    shape: str = ""  # the token selection's kernel and grid (target steps)
+
+
+def most_common_shape(items, burst_of):
+    """The items whose burst has the most common shape: one kind of step, not a mix of sizes."""
+    shape = collections.Counter(burst_of(item).shape for item in items).most_common(1)[0][0]
+    return shape, [item for item in items if burst_of(item).shape == shape]
 
 
 def median(values):
@@ -57,55 +73,54 @@ def main():
     # A record's time is its marginal time: what it adds to the burst's span
     # past every record that started before it (with programmatic launches a
     # kernel starts while the one before it runs, and waits).
-    bursts = []  # [owner, start, end, [(name, marginal time)], shape]
+    bursts = []
     for start, end, kind, name, stream in device:
         owner = owner_of_stream.get(stream, "other")
         # a target step starts with its embedding, after the step before it chose its tokens
-        new_step = "embedding_kernel" in name and bursts and bursts[-1][4] and start - bursts[-1][2] > 3000
-        if not bursts or bursts[-1][0] != owner or new_step:
-            bursts.append([owner, start, end, [], ""])
+        new_step = "embedding_kernel" in name and bursts and bursts[-1].shape and start - bursts[-1].end > 3000
+        if not bursts or bursts[-1].owner != owner or new_step:
+            bursts.append(Burst(owner, start, end))
         burst = bursts[-1]
-        marginal = max(0, end - max(start, burst[2]))
-        burst[2] = max(burst[2], end)
-        burst[3].append((short(name) if kind == "kernel" else name, marginal))
+        marginal = max(0, end - max(start, burst.end))
+        burst.end = max(burst.end, end)
+        burst.records.append((short(name) if kind == "kernel" else name, marginal))
         if "select_tokens_kernel" in name:
-            burst[4] = short(name)
+            burst.shape = short(name)
 
-    plain, rounds = [], []
+    plain, rounds = [], []  # (step, idle before, period); (draft, verify, idle between, idle after)
     for i in range(1, len(bursts) - 1):
         before, burst, after = bursts[i - 1], bursts[i], bursts[i + 1]
-        if burst[0] == "target" and before[0] == "target" and after[0] == "target":
-            plain.append((burst, burst[1] - before[2], after[1] - burst[1]))
-        if burst[0] == "drafter" and after[0] == "target" and i + 2 < len(bursts) and bursts[i + 2][0] == "drafter":
-            rounds.append((burst, after, after[1] - burst[2], bursts[i + 2][1] - after[2]))
+        if burst.owner == "target" and before.owner == "target" and after.owner == "target":
+            plain.append((burst, burst.start - before.end, after.start - burst.start))
+        if burst.owner == "drafter" and after.owner == "target" and i + 2 < len(bursts) and bursts[i + 2].owner == "drafter":
+            rounds.append((burst, after, after.start - burst.end, bursts[i + 2].start - after.end))
 
     def kernel_table(phase_bursts, title):
         per_name = collections.defaultdict(list)
         for burst in phase_bursts:
             sums = collections.Counter()
-            for name, duration in burst[3]:
+            for name, duration in burst.records:
                 sums[name] += duration
             for name, total in sums.items():
                 per_name[name].append(total)
-        busy = median([sum(d for _, d in burst[3]) for burst in phase_bursts])
-        print(f"  {title}: kernels {busy / 1e3:.1f} us of span {median([b[2] - b[1] for b in phase_bursts]) / 1e3:.1f}")
+        busy = median([sum(d for _, d in burst.records) for burst in phase_bursts])
+        span = median([burst.end - burst.start for burst in phase_bursts])
+        print(f"  {title}: kernels {busy / 1e3:.1f} us of span {span / 1e3:.1f}")
         ranked = sorted(per_name.items(), key=lambda item: -sum(item[1]))
         for name, totals in ranked[: args.top]:
             share = len(totals) / len(phase_bursts)
             print(f"    {median(totals) / 1e3:7.2f} us  x{share:4.2f}  {name}")
 
     if plain:
-        shape = collections.Counter(b[4] for b, _, _ in plain).most_common(1)[0][0]
-        chosen = [p for p in plain if p[0][4] == shape]
+        shape, chosen = most_common_shape(plain, lambda step: step[0])
         print(f"plain steps: {len(chosen)} of {len(plain)} ({shape})")
         print(f"  period {median([p[2] for p in chosen]) / 1e3:.1f} us, idle before {median([p[1] for p in chosen]) / 1e3:.1f} us")
         kernel_table([p[0] for p in chosen], "step")
     if rounds:
-        shape = collections.Counter(r[1][4] for r in rounds).most_common(1)[0][0]
-        chosen = [r for r in rounds if r[1][4] == shape]
-        draft_span = median([r[0][2] - r[0][1] for r in chosen])
-        verify_span = median([r[1][2] - r[1][1] for r in chosen])
-        period = median([r[1][2] - r[0][1] + r[3] for r in chosen])
+        shape, chosen = most_common_shape(rounds, lambda round_: round_[1])
+        draft_span = median([draft.end - draft.start for draft, _, _, _ in chosen])
+        verify_span = median([verify.end - verify.start for _, verify, _, _ in chosen])
+        period = median([verify.end - draft.start + idle_after for draft, verify, _, idle_after in chosen])
         print(f"drafted rounds: {len(chosen)} of {len(rounds)} ({shape})")
         print(f"  period {period / 1e3:.1f} us: draft {draft_span / 1e3:.1f}, idle {median([r[2] for r in chosen]) / 1e3:.1f},"
               f" verify {verify_span / 1e3:.1f}, idle {median([r[3] for r in chosen]) / 1e3:.1f}")
@@ -116,9 +131,9 @@ def main():
         api_starts = [call[0] for call in api]
         counts, times = collections.Counter(), collections.Counter()
         for draft, verify, _, idle_after in chosen:
-            first = bisect.bisect_left(api_starts, draft[1])
+            first = bisect.bisect_left(api_starts, draft.start)
             for start, end, kind, name, stream in api[first:]:
-                if start >= verify[2] + idle_after:
+                if start >= verify.end + idle_after:
                     break
                 counts[name] += 1
                 times[name] += end - start

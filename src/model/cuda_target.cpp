@@ -433,17 +433,19 @@ void CudaTarget::ensure_split_capacity(const StepShape& shape) {
   if (shape.splits <= 1) return;
   const long row_heads = long(shape.splits) * shape.tokens * c.num_heads;
   const long counters = cuda::attention_counters(shape.sequences, shape.max_query_length, c.num_heads, c.num_kv_heads);
-  if (long(partial_lse_.size()) >= row_heads && long(attention_counters_.size()) >= counters) return;
+  bool grown = false;
   if (long(partial_lse_.size()) < row_heads) {
     const long capacity = grown_size(row_heads, long(partial_lse_.size()));
     partial_out_.resize(capacity * c.head_dim);
     partial_lse_.resize(capacity);
+    grown = true;
   }
   if (long(attention_counters_.size()) < counters) {
     attention_counters_.resize(grown_size(counters, long(attention_counters_.size())));
     CUDA_CHECK(cudaMemset(attention_counters_.data(), 0, attention_counters_.bytes()));
+    grown = true;
   }
-  forget_graphs();  // they point at the old buffers
+  if (grown) forget_graphs();  // they point at the old buffers
 }
 
 void CudaTarget::forward(std::span<const TargetInput> inputs, const TargetRequest& request, TargetResult& result) {

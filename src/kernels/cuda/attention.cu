@@ -303,8 +303,7 @@ template <int HEAD_DIM>
 void launch(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_cache, const AttentionBatch& batch,
             int total_rows, int heads, int kv_heads, int splits, float* partial_out, float* partial_lse,
             unsigned* counters, cudaStream_t stream, const AttentionRope* rope) {
-  const int row_blocks =
-      ceil_div(static_cast<long>(batch.max_query_length) * (heads / kv_heads), kAttentionRowsPerBlock);
+  const int row_blocks = attention_row_blocks(batch.max_query_length, heads, kv_heads);
   const dim3 grid(splits, kv_heads, batch.sequences * row_blocks);
   launch_dependent(rope ? attention_kernel<HEAD_DIM, true> : attention_kernel<HEAD_DIM, false>, grid, kWarps * 32, 0,
                    stream, out, q, key_cache, value_cache, batch, heads, kv_heads, splits, row_blocks, partial_out,

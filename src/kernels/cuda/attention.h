@@ -66,11 +66,16 @@ void attention_forward(__nv_bfloat16* out, const __nv_bfloat16* q, const __nv_bf
 // Query rows one CTA handles (per kv head); sizes the grid.
 constexpr int kAttentionRowsPerBlock = 8;
 
+// Row blocks a sequence of at most max_query_length query tokens takes (per kv head).
+constexpr int attention_row_blocks(int max_query_length, int heads, int kv_heads) {
+  const long rows = long(max_query_length) * (heads / kv_heads);
+  return static_cast<int>((rows + kAttentionRowsPerBlock - 1) / kAttentionRowsPerBlock);
+}
+
 // The counters attention_forward needs for S sequences of at most
 // max_query_length query tokens: one per (sequence, row block, kv head).
 constexpr long attention_counters(int sequences, int max_query_length, int heads, int kv_heads) {
-  const long rows = long(max_query_length) * (heads / kv_heads);
-  return long(sequences) * ((rows + kAttentionRowsPerBlock - 1) / kAttentionRowsPerBlock) * kv_heads;
+  return long(sequences) * attention_row_blocks(max_query_length, heads, kv_heads) * kv_heads;
 }
 
 // KV tiles per split: split s covers positions [s, s + 1) * kSplitTiles * kBlockSize
