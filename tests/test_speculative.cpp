@@ -315,6 +315,13 @@ TEST(SpeculativeLimits, ContextEndAndEosStopLikePlainDecoding) {
   EXPECT_EQ(spec[0].tokens, plain.tokens);
   EXPECT_EQ(spec[0].stop_reason, "context");
   EXPECT_EQ(plain.stop_reason, "context");
+  // One place, two requests: the one after a request stopped at its context's end still runs.
+  const std::vector<std::vector<int32_t>> two = {prompt, test_prompts("qwen3")[0]};
+  SpeculativeOptions one_place = options;
+  one_place.max_active = 1;
+  const auto queued = speculative_generate(target, oracle, two, one_place);
+  EXPECT_EQ(queued[0].tokens, plain.tokens);
+  EXPECT_EQ(queued[1].tokens, plain_greedy(model, two[1], 50));
 
   // An EOS inside an accepted draft ends the output right after it.
   ModelConfig with_eos = model.config;

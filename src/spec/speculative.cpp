@@ -139,6 +139,17 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   };
   admit(true);
   const auto prefill_done = Clock::now();
+  // Every request done, those a round emitted the last token of and those
+  // found at their context's end before one, gives back its cache and its
+  // draft state and its place. Whether any did.
+  auto retire_done = [&] {
+    return std::erase_if(running, [&](size_t r) {
+             if (!requests[r].done) return false;
+             target.release_sequence(requests[r].sequence);
+             source.end(int(r));
+             return true;
+           }) > 0;
+  };
 
   std::vector<int> active, limits, remaining, verify_counts;
   std::vector<long> proposed_counts;
@@ -174,7 +185,10 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
         limits.push_back(fresh ? 0 : std::max(0, std::min(options.gamma, left - 1)));
         established += !fresh;
       }
-    if (active.empty()) break;
+    if (active.empty()) {  // every running request just stopped at its context's end (or none is left)
+      if (!retire_done()) break;
+      continue;  // their places go to waiting requests
+    }
     // The scheduler may leave rows undrafted (drafting would not pay): the
     // first `drafting` rows draft, the others take a plain decoding step, their
     // pending token verified alone. Fresh rows have no draft context yet.
@@ -311,12 +325,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     if (options.scheduler && options.sampling.greedy())
       options.scheduler->observe_round(std::chrono::duration<double>(Clock::now() - round_start).count(),
                                        target.warm_up_runs() + source.warm_up_runs() != warm_ups);
-    for (int r : active)
-      if (requests[r].done) {
-        target.release_sequence(requests[r].sequence);
-        source.end(r);
-      }
-    std::erase_if(running, [&](size_t r) { return requests[r].done; });
+    retire_done();
     if (timing) {
       ++timing->rounds;
       timing->draft_seconds += std::chrono::duration<double>(verify_start - round_start).count();
