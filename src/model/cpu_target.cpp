@@ -12,7 +12,9 @@ int CpuTarget::create_sequence(int capacity) {
   return next_sequence_++;
 }
 
-void CpuTarget::release_sequence(int sequence) { caches_.erase(sequence); }
+void CpuTarget::release_sequence(int sequence) {
+  DSPARK_CHECK(caches_.erase(sequence) == 1, "unknown sequence ", sequence);
+}
 
 KVCache& CpuTarget::cache(int sequence) {
   auto found = caches_.find(sequence);

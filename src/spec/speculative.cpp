@@ -338,11 +338,6 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       }
     }
   }
-  for (size_t r = 0; r < admitted; ++r)
-    if (requests[r].result.stop_reason == "context") {
-      target.release_sequence(requests[r].sequence);
-      source.end(int(r));
-    }
   if (timing) {
     timing->prefill_seconds = std::chrono::duration<double>(prefill_done - start).count();
     timing->decode_seconds = std::chrono::duration<double>(Clock::now() - prefill_done).count();
