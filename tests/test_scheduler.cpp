@@ -177,6 +177,63 @@ TEST(DraftCostProfile, InterpolatesAndScalesPerRowPastTheLastPoint) {
   EXPECT_NE(testing::error_of([] { DraftCostProfile::from_json(Json{{"rows", {2, 1}}, {"seconds", {1, 1}}}, "x"); })
                 .find("ascending"),
             std::string::npos);
+  // Measured at several lengths: linear in L between them (clamped), then across R.
+  const DraftCostProfile by_length{{1, 4}, {0.001, 0.003, 0.002, 0.006}, {1, 5}};
+  EXPECT_DOUBLE_EQ(by_length.at(1, 1), 0.001);
+  EXPECT_NEAR(by_length.at(1, 3), 0.002, 1e-12);
+  EXPECT_DOUBLE_EQ(by_length.at(1, 9), 0.003);  // past the last length
+  EXPECT_DOUBLE_EQ(by_length.at(1), 0.003);     // γ: the last length
+  EXPECT_NEAR(by_length.at(2, 3), 0.002 + (0.004 - 0.002) / 3, 1e-12);
+  EXPECT_NEAR(by_length.at(8, 5), 0.012, 1e-12);
+  const DraftCostProfile lengths_trip = DraftCostProfile::from_json(by_length.to_json(), "test");
+  EXPECT_EQ(lengths_trip.lengths, by_length.lengths);
+  EXPECT_EQ(lengths_trip.seconds, by_length.seconds);
+  EXPECT_NE(testing::error_of([] {
+              DraftCostProfile::from_json(Json{{"rows", {1}}, {"seconds", {1, 1, 1}}, {"lengths", {1, 2}}}, "x");
+            }).find("one time for each row count and length"),
+            std::string::npos);
+}
+
+// The draft length: with D(R, L) measured at several L, a round drafts the L
+// that maximises R (1 + Σ_{j<L} ā_j) / (D(R, L) + verify(R, L)), ā_j the
+// smoothed mean survival of position j; before every position's survival is
+// known, and every 16th drafted round after, it drafts γ.
+TEST(PrefixScheduler, DraftsTheLengthThatPaysBest) {
+  const SpsProfile flat = profile({1, 1000}, {100.0, 100.0});  // verify: 10 ms at any B
+  // Drafting: 1 ms + 2 ms a position at one row.
+  const DraftCostProfile cost{{1}, {0.003, 0.005, 0.007, 0.009}, {1, 2, 3, 4}};
+  std::vector<Proposal> rounds(1);
+  rounds[0].tokens = {1, 2, 3, 4};
+  rounds[0].confidence = {0.9f, 0.5f, 0.5f, 0.5f};  // survival 0.9, 0.45, 0.225, 0.1125
+  const Outlook one({64});
+  std::vector<int> verify, lengths;
+  PrefixScheduler scheduler(flat, cost);
+  for (int round = 0; round < 18; ++round) {
+    ASSERT_EQ(scheduler.rows_to_draft(one), 1) << round;
+    lengths.push_back(scheduler.draft_length(4));
+    scheduler.schedule(rounds, verify);
+  }
+  // Rates at L = 1..4: 1.9 / 13 ms, 2.35 / 15, 2.575 / 17, 2.6875 / 19 = 146, 157, 151, 141 tokens/s: L = 2.
+  std::vector<int> expected(18, 2);
+  expected[0] = 4;                 // nothing measured yet
+  expected[1] = expected[17] = 4;  // the first decision, then every 16th, draft γ
+  EXPECT_EQ(lengths, expected);
+  // Cheaper positions (1 ms each): 1.9 / 12, 2.35 / 13, 2.575 / 14, 2.6875 / 15 ms: 158, 181, 184, 179: L = 3.
+  PrefixScheduler cheaper(flat, DraftCostProfile{{1}, {0.002, 0.003, 0.004, 0.005}, {1, 2, 3, 4}});
+  for (int round = 0; round < 3; ++round) {
+    cheaper.rows_to_draft(one);
+    lengths[round] = cheaper.draft_length(4);
+    cheaper.schedule(rounds, verify);
+  }
+  EXPECT_EQ(std::vector<int>(lengths.begin(), lengths.begin() + 3), (std::vector<int>{4, 4, 3}));
+  // Measured at γ alone (no lengths), or without a draft cost profile: γ.
+  PrefixScheduler unmeasured(flat, DraftCostProfile{{1}, {0.017}}), alone(flat);
+  for (PrefixScheduler* other : {&unmeasured, &alone})
+    for (int round = 0; round < 3; ++round) {
+      other->rows_to_draft(one);
+      EXPECT_EQ(other->draft_length(4), 4);
+      other->schedule(rounds, verify);
+    }
 }
 
 // The gate before a round: with verification free (SPS flat at 100 steps/s,
@@ -504,6 +561,8 @@ TEST(DraftCostProfile, MeasuredForTheSourceAndCachedBesideSps) {
   DSparkSource source(drafter, target_head_of(model), 0.0f);
   const DraftCostProfile first = cached_draft_cost(target, source, "drafter-key", 3, 5, cache);
   EXPECT_EQ(first.rows, (std::vector<int>{1, 2, 4, 5}));
+  EXPECT_EQ(first.lengths, (std::vector<int>{1, 2, 3}));  // every length up to γ
+  ASSERT_EQ(first.seconds.size(), 4u * 3u);
   for (double seconds : first.seconds) EXPECT_GT(seconds, 0.0);
   const DraftCostProfile again = cached_draft_cost(target, source, "drafter-key", 3, 5, cache);
   EXPECT_EQ(again.seconds, first.seconds);  // read back, not measured again

@@ -565,6 +565,26 @@ struct SamplingCase {
   bool alg1 = false;    // the prefix scheduler cuts the proposals
   bool gate = false;    // ... and, drafting being dear, leaves rounds undrafted
   bool padded = false;  // ... and fills every row up to the longest (RoundPricing::padded_rows)
+  bool lengths = false;  // ... and drafts the length that pays best (PrefixScheduler::draft_length)
+};
+
+// A scheduler as it is, with the draft lengths it chose.
+class LengthRecorder final : public VerifyScheduler {
+ public:
+  explicit LengthRecorder(VerifyScheduler& scheduler) : scheduler_(scheduler) {}
+  int rows_to_draft(const RoundOutlook& outlook) override { return scheduler_.rows_to_draft(outlook); }
+  int draft_length(int gamma) override {
+    const int length = scheduler_.draft_length(gamma);
+    ++counts[length];
+    return length;
+  }
+  void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) override {
+    scheduler_.schedule(proposals, verify);
+  }
+  std::map<int, long> counts;  // rounds by draft length
+
+ private:
+  VerifyScheduler& scheduler_;
 };
 
 class SamplingLossless : public ::testing::TestWithParam<SamplingCase> {};
@@ -594,9 +614,16 @@ TEST_P(SamplingLossless, EmittedTokensHaveTheTargetsDistribution) {
   // to 0.25 here, so the cuts vary with the confidences. Padded, raising L
   // adds 50 tokens at once: at 1e-4 of the step's fixed cost a token it pays
   // for a survival above about τ*/200 (0.25 to 0.4), and the rows' fill follows.
-  PrefixScheduler scheduler(linear_sps(c.padded ? 0.0001 : 0.005),
-                            c.gate ? std::optional(DraftCostProfile{{1}, {50.0}}) : std::nullopt, c.padded);
-  if (c.alg1) options.scheduler = &scheduler;
+  // With lengths, drafting costs 0.01, 0.02 and 0.2 s a round of 50 rows at
+  // L = 1, 2, 3: the gate stays open (plain decoding runs 40 tokens/s, a
+  // drafted round over 42), and L = 1 or 2 pays best by a margin that the
+  // confidences' second position decides.
+  std::optional<DraftCostProfile> draft_cost;
+  if (c.gate) draft_cost = DraftCostProfile{{1}, {50.0}};
+  if (c.lengths) draft_cost = DraftCostProfile{{1}, {0.0002, 0.0004, 0.004}, {1, 2, 3}};
+  PrefixScheduler scheduler(linear_sps(c.padded ? 0.0001 : 0.005), draft_cost, c.padded);
+  LengthRecorder recorder(scheduler);
+  if (c.alg1) options.scheduler = &recorder;
   const long draws = 100000;
   std::vector<long> counts(V * V * V, 0);
   SpeculativeStats stats;
@@ -615,6 +642,11 @@ TEST_P(SamplingLossless, EmittedTokensHaveTheTargetsDistribution) {
   if (c.gate) {
     EXPECT_GT(stats.undrafted, 0);
     EXPECT_LT(stats.undrafted, stats.rounds);
+  } else if (c.lengths) {  // γ while unmeasured and every 16th round, and each shorter length (a row may draft 2 here)
+    EXPECT_EQ(recorder.counts.size(), 3u);
+    EXPECT_GT(recorder.counts[1], 0);
+    EXPECT_GT(recorder.counts[2], 0);
+    EXPECT_GT(recorder.counts[3], 0);
   } else if (c.alg1) {  // every verified length occurred (3 new tokens leave room for 2 drafts): 0, 1 and 2
     EXPECT_LT(stats.drafted, stats.proposed);
     EXPECT_LT(stats.drafted_at[0], stats.rounds);
@@ -630,7 +662,8 @@ INSTANTIATE_TEST_SUITE_P(Sources, SamplingLossless,
                                            SamplingCase{"drafter", {1.0f, 0, 1.0f}, true},
                                            SamplingCase{"drafter", {0.7f, 4, 0.9f}, true},
                                            SamplingCase{"drafter", {1.0f, 0, 1.0f}, true, true},
-                                           SamplingCase{"drafter", {1.0f, 0, 1.0f}, true, false, true}));
+                                           SamplingCase{"drafter", {1.0f, 0, 1.0f}, true, false, true},
+                                           SamplingCase{"drafter", {1.0f, 0, 1.0f}, true, false, false, true}));
 
 // ---------------------------------------------- the scheduler's early stop
 //
@@ -798,8 +831,9 @@ class RemainingRecorder final : public VerifyScheduler {
   std::vector<int> waiting, admitted, admitted_tokens;
 };
 
-// rows_to_draft hears, per active row in order, the tokens it may still emit:
-// max_new_tokens less what the row's earlier rounds emitted (from the trace).
+// rows_to_draft hears, per active row, the tokens it may still emit:
+// max_new_tokens less what the row's earlier rounds emitted (from the trace),
+// the rows with the most left first (ties in admission order).
 TEST(SpeculativeEngine, TellsTheSchedulerEachRowsRemainingLength) {
   const Transformer model = tiny_target(7);
   CpuTarget target(model);
@@ -816,14 +850,16 @@ TEST(SpeculativeEngine, TellsTheSchedulerEachRowsRemainingLength) {
   std::vector<std::vector<int>> expected, expected_rows;  // per round, the rows still running and their requests
   std::vector<int> emitted(prompts.size(), 0);
   for (size_t round = 0;; ++round) {
-    std::vector<int> left, running;
+    std::vector<std::pair<int, int>> rows;  // (tokens left, request)
     for (size_t r = 0; r < prompts.size(); ++r)
       if (round < results[r].trace.size()) {
-        left.push_back(options.max_new_tokens - emitted[r]);
-        running.push_back(int(r));
+        rows.push_back({options.max_new_tokens - emitted[r], int(r)});
         emitted[r] += int(results[r].trace[round].emitted.size());
       }
-    if (left.empty()) break;
+    if (rows.empty()) break;
+    std::stable_sort(rows.begin(), rows.end(), [](auto a, auto b) { return a.first > b.first; });
+    std::vector<int> left, running;
+    for (const auto& [tokens_left, request] : rows) left.push_back(tokens_left), running.push_back(request);
     expected.push_back(left);
     expected_rows.push_back(running);
   }

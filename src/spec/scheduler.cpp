@@ -32,6 +32,8 @@ constexpr double kNearMiss = 0.9;
 constexpr int kMaxUndraftedRoundsNear = 128;
 constexpr double kGainWeight = 1.0 / 8;        // each round's estimate moves the gain an eighth of the way
 constexpr double kAdmittingWeight = 1.0 / 16;  // ... and the share of drafted rounds that admit
+constexpr double kSurvivalWeight = 1.0 / 16;   // each drafted round moves a position's mean survival this far
+constexpr long kFullDraftEvery = 16;           // draft_length(): one drafted round in this many drafts γ
 constexpr double kOneOffRatio = 4.0;  // observe_round ignores rounds that took longer than this x their prediction
 
 namespace {
@@ -245,31 +247,51 @@ SpsProfile measure_sps(Target& target, const SpsProfileOptions& options) {
   return profile;
 }
 
-double DraftCostProfile::at(int count) const {
-  DSPARK_CHECK(!rows.empty() && rows.size() == seconds.size(), "draft cost profile: no measurements");
+double DraftCostProfile::at(int count, int length) const {
+  const size_t L = std::max<size_t>(lengths.size(), 1);
+  DSPARK_CHECK(!rows.empty() && rows.size() * L == seconds.size(), "draft cost profile: no measurements");
+  // Each measured R's time at this length ...
+  auto at_length = [&](size_t point) {
+    const double* times = seconds.data() + point * L;
+    if (L == 1) return times[0];
+    const double x = std::clamp<double>(length, lengths.front(), lengths.back());
+    size_t i = 0;
+    while (i + 2 < L && x > lengths[i + 1]) ++i;
+    const double fraction = (x - lengths[i]) / double(lengths[i + 1] - lengths[i]);
+    return times[i] + fraction * (times[i + 1] - times[i]);
+  };
+  // ... then across R.
   const double R = std::max(1, count);
-  if (R <= rows.front()) return seconds.front();
+  if (R <= rows.front()) return at_length(0);
   for (size_t i = 0; i + 1 < rows.size(); ++i) {
     if (R > rows[i + 1]) continue;
     const double fraction = (R - rows[i]) / double(rows[i + 1] - rows[i]);
-    return seconds[i] + fraction * (seconds[i + 1] - seconds[i]);
+    return at_length(i) + fraction * (at_length(i + 1) - at_length(i));
   }
-  return seconds.back() * R / rows.back();
+  return at_length(rows.size() - 1) * R / rows.back();
 }
 
-Json DraftCostProfile::to_json() const { return {{"rows", rows}, {"seconds", seconds}}; }
+Json DraftCostProfile::to_json() const {
+  Json json = {{"rows", rows}, {"seconds", seconds}};
+  if (!lengths.empty()) json["lengths"] = lengths;
+  return json;
+}
 
 DraftCostProfile DraftCostProfile::from_json(const Json& json, const std::string& where) {
   DraftCostProfile profile;
   profile.rows = json_get<std::vector<int>>(json, "rows", where);
   profile.seconds = json_get<std::vector<double>>(json, "seconds", where);
-  DSPARK_CHECK(!profile.rows.empty() && profile.rows.size() == profile.seconds.size(), where,
-               ": rows and seconds must be non-empty and of one length");
-  for (size_t i = 0; i < profile.rows.size(); ++i) {
+  if (json.contains("lengths")) profile.lengths = json_get<std::vector<int>>(json, "lengths", where);
+  const size_t L = std::max<size_t>(profile.lengths.size(), 1);
+  DSPARK_CHECK(!profile.rows.empty() && profile.rows.size() * L == profile.seconds.size(), where,
+               ": rows must be non-empty and seconds hold one time for each row count and length");
+  for (size_t i = 0; i < profile.rows.size(); ++i)
     DSPARK_CHECK(profile.rows[i] >= 1 && (i == 0 || profile.rows[i] > profile.rows[i - 1]), where,
                  ": rows must be positive and ascending");
-    DSPARK_CHECK(profile.seconds[i] >= 0, where, ": seconds must not be negative");
-  }
+  for (size_t i = 0; i < profile.lengths.size(); ++i)
+    DSPARK_CHECK(profile.lengths[i] >= 1 && (i == 0 || profile.lengths[i] > profile.lengths[i - 1]), where,
+                 ": lengths must be positive and ascending");
+  for (double time : profile.seconds) DSPARK_CHECK(time >= 0, where, ": seconds must not be negative");
   return profile;
 }
 
@@ -324,16 +346,33 @@ DraftCostProfile measure_draft_cost(Target& target, DraftSource& source, int gam
       accept(r, std::span(prompts[r]).first(context - 1), size_t(r - first) * (context - 1));
     source.finish_accepts(result);
   }
+  // A round's drafting at γ positions, then at each shorter length L the
+  // propose() alone, added to it: D(R, L) = D(R, γ) - P(R, γ) + P(R, L) (the
+  // context extension does not depend on L, and a propose() without one does
+  // not grow the context).
   DraftCostProfile profile;
+  profile.lengths = sps_profile_points(gamma);
+  const size_t L = profile.lengths.size();
   std::vector<Proposal> proposals;
   std::vector<std::vector<int32_t>> blocks(max_rows);
+  auto median = [](std::vector<double>& times) {
+    std::sort(times.begin(), times.end());
+    return times[times.size() / 2];
+  };
   Progress progress("draft cost profile", long(points.size()), "points");
   for (size_t p = 0; p < points.size(); ++p) {
     const int R = points[p];
-    std::vector<int> rows(R), limits(R, gamma);
+    std::vector<int> rows(R), limits(R);
     std::vector<int32_t> pending(R);
     for (int r = 0; r < R; ++r) rows[r] = r;
-    std::vector<double> seconds;
+    std::vector<double> round_seconds;
+    std::vector<std::vector<double>> propose_seconds(L);
+    auto timed_propose = [&](int length) {
+      std::fill(limits.begin(), limits.end(), length);
+      const auto start = std::chrono::steady_clock::now();
+      source.propose(rows, pending, limits, cpu::SamplingParams{}, proposals);
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    };
     for (int run = 0; run < 2 + runs; ++run) {  // 2 warm-ups (CUDA graph capture)
       // A verify forward (untimed: the round profile has it) of R rows.
       inputs.clear();
@@ -348,13 +387,17 @@ DraftCostProfile measure_draft_cost(Target& target, DraftSource& source, int gam
         pending[r] = blocks[r].back();
       }
       source.finish_accepts(result);
+      std::fill(limits.begin(), limits.end(), gamma);
       source.propose(rows, pending, limits, cpu::SamplingParams{}, proposals);
-      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      if (run >= 2) seconds.push_back(elapsed);
+      const double round = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (run < 2) continue;
+      round_seconds.push_back(round);
+      for (size_t l = 0; l < L; ++l) propose_seconds[l].push_back(timed_propose(profile.lengths[l]));
     }
-    std::sort(seconds.begin(), seconds.end());
+    const double round = median(round_seconds), full = median(propose_seconds[L - 1]);
     profile.rows.push_back(R);
-    profile.seconds.push_back(seconds[seconds.size() / 2]);
+    for (size_t l = 0; l < L; ++l)
+      profile.seconds.push_back(std::max(0.0, round - full + (l + 1 < L ? median(propose_seconds[l]) : full)));
     progress.update(long(p + 1), "R=" + std::to_string(R));
   }
   progress.finish();
@@ -479,8 +522,9 @@ DraftCostProfile cached_draft_cost(Target& target, DraftSource& source, const st
                           " | gamma " + std::to_string(gamma) + " | D(R), context extension included";
   if (!remeasure) {
     std::optional<DraftCostProfile> cached = cached_profile<DraftCostProfile>(
-        cache_file, key, DraftCostProfile::from_json,
-        [&](const DraftCostProfile& profile) { return profile.rows.back() >= max_rows; });
+        cache_file, key, DraftCostProfile::from_json, [&](const DraftCostProfile& profile) {
+          return profile.rows.back() >= max_rows && !profile.lengths.empty() && profile.lengths.back() == gamma;
+        });
     if (cached) return *cached;
   }
   DraftCostProfile profile = measure_draft_cost(target, source, gamma, max_rows);
@@ -556,6 +600,7 @@ int PrefixScheduler::rows_to_draft(const RoundOutlook& outlook) {
     paces_ = std::move(kept);
   }
   probing_ = false;
+  draft_length_ = 0;
   const int rows = static_cast<int>(remaining_.size());
   // An undrafted round is predicted to cost a plain step (one that admits
   // requests is not timed: scheduler.h); a drafted one's prediction is set by
@@ -575,6 +620,29 @@ int PrefixScheduler::rows_to_draft(const RoundOutlook& outlook) {
   }
   probing_ = rows > 1;
   return std::min(rows, 1);  // the probe: one row drafts, to look again
+}
+
+int PrefixScheduler::draft_length(int gamma) {
+  draft_length_ = gamma;
+  if (!draft_cost_ || draft_cost_->lengths.size() < 2 || rows_.empty() || gamma <= 1) return gamma;
+  // The lengths priced: up to the last position some row has drafted (rows
+  // near their end draft fewer; a full round sees the others again).
+  int known = 0;
+  while (known < gamma && known < int(survival_.size()) && survival_[known].measured) ++known;
+  if (known == 0 || drafted_rounds_++ % kFullDraftEvery == 0) return gamma;
+  const int R = static_cast<int>(rows_.size());
+  double expected = 1.0, best_rate = 0.0;  // a row's tokens: 1 + Σ_{j<L} ā_j
+  for (int length = 1; length <= known; ++length) {
+    expected += survival_[length - 1].value;
+    const double verify_seconds = padded_rows_ ? 1.0 / sps_.round_at(R, length) : 1.0 / sps_.at(R * (1 + length));
+    const double rate = R * expected / (draft_cost_->at(R, length) + verify_seconds);
+    if (rate > best_rate) best_rate = rate, draft_length_ = length;
+  }
+  return draft_length_;
+}
+
+double PrefixScheduler::round_draft_seconds(int rows) const {
+  return draft_length_ > 0 ? draft_cost_->at(rows, draft_length_) : draft_cost_->at(rows);
 }
 
 void PrefixScheduler::enter_gate(int rows) {
@@ -634,7 +702,7 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
     if (!scored) whole += int(proposal.tokens.size());
   }
   int tokens = 0;
-  RoundPricing pricing{.draft_seconds = draft_cost_ ? draft_cost_->at(int(proposals.size())) : 0.0,
+  RoundPricing pricing{.draft_seconds = draft_cost_ ? round_draft_seconds(int(proposals.size())) : 0.0,
                        .padded_rows = padded_rows_};
   verify = prefix_schedule(confidences_, sps_, whole, &tokens, pricing);
   for (size_t i = 0; i < proposals.size(); ++i)
@@ -653,6 +721,23 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   int drafting = 0;
   for (int r = 0; r < R; ++r) drafting += drafted(r);
   if (drafting == 0) return;
+  // ā_j, for draft_length(): the mean over the rows that drafted position j.
+  std::vector<double> survival_sums;
+  std::vector<int> survival_rows;
+  for (int r = 0; r < R; ++r) {
+    if (!drafted(r)) continue;
+    const std::vector<float>& confidences = confidences_[r];
+    if (survival_sums.size() < confidences.size())
+      survival_sums.resize(confidences.size()), survival_rows.resize(confidences.size());
+    double survival = 1.0;
+    for (size_t j = 0; j < confidences.size(); ++j) {
+      survival_sums[j] += survival *= survival_factor(confidences[j]);
+      ++survival_rows[j];
+    }
+  }
+  if (survival_.size() < survival_sums.size()) survival_.resize(survival_sums.size());
+  for (size_t j = 0; j < survival_sums.size(); ++j)
+    survival_[j].add(survival_sums[j] / survival_rows[j], kSurvivalWeight);
   const auto expected_of = [](const std::vector<float>& confidences, int verified) {
     double expected = 1.0, survival = 1.0;  // e_r = 1 + Σ_{j < verified} a_{r,j}
     for (int j = 0; j < verified && j < int(confidences.size()); ++j)
@@ -726,20 +811,20 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
     gate_->admitting += kAdmittingWeight * ((admitted_tokens_ > 0 ? 1.0 : 0.0) - gate_->admitting);
     if (admitted_tokens_ > 0 && gate_->admitting < 0.5) timed_ = nullptr;
   }
-  predicted_seconds_ = 1.0 / sps_.round_at(R, double(tokens - R) / R) + draft_cost_->at(R) +
+  predicted_seconds_ = 1.0 / sps_.round_at(R, double(tokens - R) / R) + round_draft_seconds(R) +
                        (1.0 / sps_.at(tokens + admitted_tokens_) - 1.0 / sps_.at(tokens));
-  const double all_drafting = (1.0 / sps_.round_at(R, (tokens_all - R) / R) + draft_cost_->at(R)) * drafted_cost_.value;
+  const double all_drafting =
+      (1.0 / sps_.round_at(R, (tokens_all - R) / R) + round_draft_seconds(R)) * drafted_cost_.value;
   const double speculative = expected_all / all_drafting;
   const double gain = speculative * undrafted_cost_.value / (R * sps_.plain_at(R));
   gate_->gain.add(gain, kGainWeight);
   if (gate_log())
-    std::fprintf(
-        stderr,
-        "gate R %d drafting %d%s: tokens %d (all %.1f), expected %.3f, round %.4f ms (verify %.4f, draft %.4f) "
-        "x %.3f, plain %.4f ms x %.3f; gain %.3f -> %.3f\n",
-        R, drafting, probing_ ? " (probe)" : "", tokens, tokens_all, expected_all, 1e3 * all_drafting,
-        1e3 / sps_.round_at(R, (tokens_all - R) / R), 1e3 * draft_cost_->at(R), drafted_cost_.value,
-        1e3 / sps_.plain_at(R), undrafted_cost_.value, gain, gate_->gain.value);
+    std::fprintf(stderr,
+                 "gate R %d drafting %d%s, length %d: tokens %d (all %.1f), expected %.3f, round %.4f ms (verify %.4f, "
+                 "draft %.4f) x %.3f, plain %.4f ms x %.3f; gain %.3f -> %.3f\n",
+                 R, drafting, probing_ ? " (probe)" : "", draft_length_, tokens, tokens_all, expected_all,
+                 1e3 * all_drafting, 1e3 / sps_.round_at(R, (tokens_all - R) / R), 1e3 * round_draft_seconds(R),
+                 drafted_cost_.value, 1e3 / sps_.plain_at(R), undrafted_cost_.value, gain, gate_->gain.value);
   // A probe looks and does not verify: its one row's drafts beside R - 1
   // pending tokens would make the forward ragged, a shape the CUDA target's
   // captured graphs do not cover (at batch 8 on the H200 the demo target's

@@ -148,14 +148,19 @@ struct SpsProfile {
   static SpsProfile from_json(const Json& json, const std::string& where);
 };
 
-// D(R): seconds a round of R rows spends drafting γ positions each, the
+// D(R, L): seconds a round of R rows spends drafting L positions each, the
 // drafter's context extension by the previous round's rows included.
 struct DraftCostProfile {
   std::vector<int> rows;        // R of each measurement, ascending, rows[0] = 1
-  std::vector<double> seconds;  // [points] one propose() for R rows
-  // D at any R >= 1: interpolated linearly between measured points, the last
-  // measurement's cost per row beyond it.
-  double at(int rows) const;
+  std::vector<double> seconds;  // [points, lengths] one propose() for R rows of L positions
+  // L of each measurement, ascending, the last one γ; empty: only γ was
+  // measured (seconds is then [points]).
+  std::vector<int> lengths = {};
+  // D at any R >= 1: linear in L between measured lengths (clamped to them),
+  // then interpolated linearly between measured R, the last measurement's
+  // cost per row beyond it. at(R) drafts γ positions.
+  double at(int rows, int length) const;
+  double at(int rows) const { return at(rows, lengths.empty() ? 1 : lengths.back()); }
   Json to_json() const;
   static DraftCostProfile from_json(const Json& json, const std::string& where);
 };
@@ -197,8 +202,9 @@ SpsProfile cached_sps_profile(Target& target, const std::string& model_key, cons
 // beside its verify forward: the round's accepted rows entering the source's
 // context (3 per row, with their taps: the drafter projects them before it
 // drafts) and DraftSource::propose of `gamma` positions each (greedy, every
-// position drafted). Each row starts from a random context of `context`
-// tokens that `target` prefilled with the source's taps.
+// position drafted); then, for the shorter lengths L in sps_profile_points(γ),
+// what proposing L positions instead saves. Each row starts from a random
+// context of `context` tokens that `target` prefilled with the source's taps.
 DraftCostProfile measure_draft_cost(Target& target, DraftSource& source, int gamma, int max_rows, int context = 64,
                                     int runs = 5);
 
@@ -225,11 +231,16 @@ struct RoundOutlook {
 class VerifyScheduler {
  public:
   virtual ~VerifyScheduler() = default;
-  // Asked before each round: how many of the outlook's rows (the first ones)
-  // draft; the others take a plain decoding step (their pending token
-  // alone). With 0, schedule() is not called. Must not depend on anything
-  // drawn in that round.
+  // Asked before each round: how many of the outlook's rows (the first ones:
+  // the engine lists those with the most tokens left first) draft; the
+  // others take a plain decoding step (their pending token alone). With 0, schedule() is not called. Must not depend on
+  // anything drawn in that round.
   virtual int rows_to_draft(const RoundOutlook& outlook) { return static_cast<int>(outlook.remaining.size()); }
+  // Asked after rows_to_draft(), when some rows draft: the most positions
+  // each of them drafts this round, at most `gamma` (a shorter draft costs
+  // less; each row's own limit still applies). Must not depend on anything
+  // drawn in that round.
+  virtual int draft_length(int gamma) { return gamma; }
   // verify[i] = how many of proposals[i].tokens the round verifies (a prefix).
   // proposals[i].confidence is empty when the source has no confidences.
   virtual void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) = 0;
@@ -281,6 +292,12 @@ class PrefixScheduler final : public VerifyScheduler {
                            bool padded_rows = false)
       : sps_(std::move(sps)), draft_cost_(std::move(draft_cost)), padded_rows_(padded_rows) {}
   int rows_to_draft(const RoundOutlook& outlook) override;
+  // With a draft cost profile measured at several lengths, the L that
+  // maximises the round's predicted tokens per second R (1 + Σ_{j<L} ā_j) /
+  // (D(R, L) + verify(R, L)), ā_j the survival of position j averaged over the
+  // rows of earlier rounds (smoothed); every kFullDraftEvery-th drafted round
+  // drafts γ, the only rounds that see the positions past a shorter length.
+  int draft_length(int gamma) override;
   // Rows whose proposal has no confidences are verified whole (their tokens count in B).
   void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) override;
   void observe_round(double seconds, bool warming_up = false) override;
@@ -335,12 +352,16 @@ class PrefixScheduler final : public VerifyScheduler {
   Gate* gate_ = nullptr;       // and its gate
   void enter_gate(int rows);   // sets rows_bucket_ and gate_ for a batch of `rows`
   double slowest_share() const;
+  double round_draft_seconds(int rows) const;   // D(R, L) at this round's draft length
   RecentMedian drafted_cost_, undrafted_cost_;  // measured / predicted time of a drafted / an undrafted round
   RecentMedian* timed_ = nullptr;               // what the round being run is timed against (null: it is not)
   double predicted_seconds_ = 0.0;  // the profiles' time for it
   int admitted_tokens_ = 0;         // prompt tokens riding in the round's forward
   bool probing_ = false;            // this round is a probe (one of R > 1 rows drafts while the gate is shut)
   bool drafting_round_ = false, after_drafted_round_ = false;  // this round drafts; the one before did
+  std::vector<SmoothedRatio> survival_;  // [γ] ā_j: position j's survival a_{r,j}, the mean over a round's rows
+  int draft_length_ = 0;                 // this round's L (0: every position the rows may draft)
+  long drafted_rounds_ = 0;              // rounds that asked draft_length()
 };
 
 }  // namespace dspark

@@ -158,17 +158,26 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   std::vector<std::vector<int32_t>> blocks;
   std::vector<int32_t> emitted;
   std::vector<float> target_probs;
-  std::vector<int32_t> order;
+  std::vector<int32_t> sampling_order;
+  std::vector<size_t> order;  // the running requests as a round lists them
   while (true) {
     admit(false);  // places freed by the last round go to waiting requests
     active.clear();
     limits.clear();
     remaining.clear();
     pending.clear();
-    // Requests already decoding first (they may draft), then the fresh ones.
+    // Requests already decoding first (they may draft), those with the most
+    // tokens still to emit first: where the scheduler lets only some rows
+    // draft (a probe), those rows' drafts are not cut short by a request's
+    // end (the oldest row, often a few tokens from its end under continuous
+    // batching, judged drafting by a draft of one or two). Then the fresh ones.
+    order.assign(running.begin(), running.end());
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      return requests[a].result.tokens.size() < requests[b].result.tokens.size();
+    });
     size_t established = 0;
     for (bool fresh : {false, true})
-      for (size_t r : running) {
+      for (size_t r : order) {
         Request& request = requests[r];
         if (request.done || request.fresh != fresh) continue;
         const int length = target.sequence_length(request.sequence);
@@ -197,6 +206,10 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     const RoundOutlook outlook{std::span(active).first(established), std::span(remaining).first(established),
                                int(prompts.size() - admitted), int(active.size() - established), admitted_tokens};
     const size_t drafting = options.scheduler ? size_t(options.scheduler->rows_to_draft(outlook)) : established;
+    if (options.scheduler && drafting > 0) {  // the scheduler may also draft fewer positions this round
+      const int length = std::clamp(options.scheduler->draft_length(options.gamma), 0, options.gamma);
+      for (size_t i = 0; i < drafting; ++i) limits[i] = std::min(limits[i], length);
+    }
     proposals.clear();
     const long warm_ups = target.warm_up_runs() + source.warm_up_runs();
     const auto round_start = Clock::now();
@@ -280,7 +293,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
         target_probs.resize(size_t(n + 1) * V);
         for (int k = 0; k <= n; ++k)
           cpu::processed_distribution(target_probs.data() + size_t(k) * V, step.logits.data() + (row + k) * V, V,
-                                      options.sampling, order);
+                                      options.sampling, sampling_order);
         verdict = accept_sampled(target_probs, proposal.probs, proposal.tokens, V, request.rng);
       }
       // Keep pending + the accepted drafts in the cache (roll back the
