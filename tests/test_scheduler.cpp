@@ -125,15 +125,23 @@ TEST(PrefixSchedule, WeighsTheRoundsDraftingAndPadsRowsToTheLongest) {
   // Padded: step times 10 / 12 / 14 ms at B = 2 / 4 / 6, and two rows of
   // survival {0.9, 0.09} and {0.05, 0.025}. Unpadded, 0.9 goes in at B = 3
   // (2.9 / 11 ms = 263.6) and 0.09 would drop the rate (2.99 / 12 ms = 249):
-  // {1, 0}. Padded, B is R (1 + L): 0.9 raises L to 1 (2.9 / 12 ms = 241.7),
-  // 0.09 would raise it to 2 (2.99 / 14 ms = 213.6): the walk stops, and the
-  // other row verifies its first draft too, at no cost: {1, 1}, B = 4.
+  // {1, 0}. Padded, B is R (1 + L) and the walk admits levels: the first
+  // (0.9 + 0.05) raises L to 1 (2.95 / 12 ms = 245.8 against 2 / 10 ms), the
+  // second (0.09 + 0.025) would raise it to 2 (3.065 / 14 ms = 218.9): {1, 1}, B = 4.
   const SpsProfile steps = profile({2, 4, 6}, {100, 1000.0 / 12, 1000.0 / 14});
   const std::vector<std::vector<float>> two_rows = {{0.9f, 0.1f}, {0.05f, 0.5f}};
   EXPECT_EQ(prefix_schedule(two_rows, steps), (std::vector<int>{1, 0}));
   int tokens = 0;
   EXPECT_EQ(prefix_schedule(two_rows, steps, 0, &tokens, {.padded_rows = true}), (std::vector<int>{1, 1}));
   EXPECT_EQ(tokens, 4);
+  // Padded, the walk admits a level when all its rows' positions pay
+  // together: four rows of survival 0.5, 10 ms at B = 4 and 12 at B = 8. One
+  // position alone would not pay for the level (4.5 / 12 ms = 375 against
+  // 4 / 10 ms = 400); the level does (6 / 12 ms = 500).
+  const SpsProfile level_steps = profile({4, 8}, {100, 1000.0 / 12});
+  const std::vector<std::vector<float>> four_rows(4, std::vector<float>{0.5f});
+  EXPECT_EQ(prefix_schedule(four_rows, level_steps, 0, &tokens, {.padded_rows = true}), (std::vector<int>{1, 1, 1, 1}));
+  EXPECT_EQ(tokens, 8);
   // A row shorter than L verifies all it has.
   EXPECT_EQ(prefix_schedule(std::vector<std::vector<float>>{{0.9f, 0.9f}, {}}, profile({1}, {50}), 0, nullptr,
                             {.padded_rows = true}),

@@ -612,8 +612,9 @@ TEST_P(SamplingLossless, EmittedTokensHaveTheTargetsDistribution) {
   options.sampling = c.sampling;
   // 50 rows a round: a position is admitted while its survival exceeds τ*/(200 + B), about 0.2
   // to 0.25 here, so the cuts vary with the confidences. Padded, raising L
-  // adds 50 tokens at once: at 1e-4 of the step's fixed cost a token it pays
-  // for a survival above about τ*/200 (0.25 to 0.4), and the rows' fill follows.
+  // adds 50 tokens at once: a level pays while its rows' summed survival
+  // exceeds 50 τ*/(200 + B), and the second level's (about 12 of 75) sits
+  // at that edge, so L varies with the confidences.
   // With lengths, drafting costs 0.01, 0.02 and 0.2 s a round of 50 rows at
   // L = 1, 2, 3: the gate stays open (plain decoding runs 40 tokens/s, a
   // drafted round over 42), and L = 1 or 2 pays best by a margin that the
@@ -621,7 +622,7 @@ TEST_P(SamplingLossless, EmittedTokensHaveTheTargetsDistribution) {
   std::optional<DraftCostProfile> draft_cost;
   if (c.gate) draft_cost = DraftCostProfile{{1}, {50.0}};
   if (c.lengths) draft_cost = DraftCostProfile{{1}, {0.0002, 0.0004, 0.004}, {1, 2, 3}};
-  PrefixScheduler scheduler(linear_sps(c.padded ? 0.0001 : 0.005), draft_cost, c.padded);
+  PrefixScheduler scheduler(linear_sps(0.005), draft_cost, c.padded);
   LengthRecorder recorder(scheduler);
   if (c.alg1) options.scheduler = &recorder;
   const long draws = 100000;
@@ -833,7 +834,7 @@ class RemainingRecorder final : public VerifyScheduler {
 
 // rows_to_draft hears, per active row, the tokens it may still emit:
 // max_new_tokens less what the row's earlier rounds emitted (from the trace),
-// the rows with the most left first (ties in admission order).
+// the newest request first.
 TEST(SpeculativeEngine, TellsTheSchedulerEachRowsRemainingLength) {
   const Transformer model = tiny_target(7);
   CpuTarget target(model);
@@ -850,16 +851,14 @@ TEST(SpeculativeEngine, TellsTheSchedulerEachRowsRemainingLength) {
   std::vector<std::vector<int>> expected, expected_rows;  // per round, the rows still running and their requests
   std::vector<int> emitted(prompts.size(), 0);
   for (size_t round = 0;; ++round) {
-    std::vector<std::pair<int, int>> rows;  // (tokens left, request)
-    for (size_t r = 0; r < prompts.size(); ++r)
+    std::vector<int> left, running;
+    for (int r = int(prompts.size()) - 1; r >= 0; --r)
       if (round < results[r].trace.size()) {
-        rows.push_back({options.max_new_tokens - emitted[r], int(r)});
+        left.push_back(options.max_new_tokens - emitted[r]);
+        running.push_back(r);
         emitted[r] += int(results[r].trace[round].emitted.size());
       }
-    if (rows.empty()) break;
-    std::stable_sort(rows.begin(), rows.end(), [](auto a, auto b) { return a.first > b.first; });
-    std::vector<int> left, running;
-    for (const auto& [tokens_left, request] : rows) left.push_back(tokens_left), running.push_back(request);
+    if (left.empty()) break;
     expected.push_back(left);
     expected_rows.push_back(running);
   }
@@ -888,7 +887,7 @@ TEST(SpeculativeEngine, TellsTheSchedulerWhichRequestsRunAndHowManyWait) {
   options.scheduler = &recorder;
   const auto results = speculative_generate(target, source, prompts, options);
   ASSERT_FALSE(recorder.rows.empty());
-  EXPECT_EQ(recorder.rows[0], (std::vector<int>{0, 1}));
+  EXPECT_EQ(recorder.rows[0], (std::vector<int>{1, 0}));  // the newest first
   EXPECT_EQ(recorder.waiting[0], 1);
   // Request 2 is admitted in the round after the first of 0 and 1 finishes,
   // and drafts (is in the outlook) from the round after that, nothing waiting then.

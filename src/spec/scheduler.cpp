@@ -537,29 +537,14 @@ DraftCostProfile cached_draft_cost(Target& target, DraftSource& source, const st
 
 std::vector<int> prefix_schedule(std::span<const std::vector<float>> confidences, const SpsProfile& sps,
                                  int extra_tokens, int* forward_tokens, const RoundPricing& pricing) {
-  struct Candidate {
-    double survival;  // a_{r,j}
-    int position, row;
-  };
-  std::vector<Candidate> candidates;
-  for (size_t r = 0; r < confidences.size(); ++r) {
-    double survival = 1.0;
-    for (size_t j = 0; j < confidences[r].size(); ++j) {
-      survival *= survival_factor(confidences[r][j]);  // never increases along a row
-      candidates.push_back({survival, int(j), int(r)});
-    }
-  }
-  // Descending survival; ties by position, so a row's positions come in order
-  // (its prefix stays a prefix), then by row for a fixed order.
-  std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
-    if (a.survival != b.survival) return a.survival > b.survival;
-    if (a.position != b.position) return a.position < b.position;
-    return a.row < b.row;
-  });
   const int rows = static_cast<int>(confidences.size());
+  std::vector<std::vector<double>> survivals(rows);  // a_{r,j}, never increasing along a row
+  for (int r = 0; r < rows; ++r) {
+    double survival = 1.0;
+    for (float confidence : confidences[r]) survivals[r].push_back(survival *= survival_factor(confidence));
+  }
   std::vector<int> verify(rows, 0);
   int tokens = rows + extra_tokens;  // B: each row's pending token, plus what is verified anyway
-  int longest = 0;                   // L: the most drafts a row verifies
   double expected = rows;            // τ*: each row emits at least one token
   // The round's tokens per second with B tokens in its forward, L drafts in its longest row.
   auto rate_of = [&](double expected_tokens, int forward, int most) {
@@ -568,19 +553,52 @@ std::vector<int> prefix_schedule(std::span<const std::vector<float>> confidences
                                       : 1.0 / sps.at(forward);
     return expected_tokens / (pricing.draft_seconds + verify_seconds);
   };
-  double rate = rate_of(expected, tokens, longest);
-  for (const Candidate& candidate : candidates) {
-    const int admitted_longest = std::max(longest, candidate.position + 1);
-    const double admitted_rate = rate_of(expected + candidate.survival, tokens + 1, admitted_longest);
-    if (!(admitted_rate > rate)) break;  // the early stop: never skip a position and go on
-    DSPARK_CHECK(verify[candidate.row] == candidate.position, "prefix scheduler: row ", candidate.row,
-                 " would verify position ", candidate.position, " after ", verify[candidate.row]);
-    verify[candidate.row] = candidate.position + 1;
-    tokens += 1, longest = admitted_longest, expected += candidate.survival, rate = admitted_rate;
-  }
-  if (pricing.padded_rows) {  // every row up to L: the forward runs those rows anyway (lossless: scheduler.h)
-    for (int r = 0; r < rows; ++r) verify[r] = std::max(verify[r], std::min(longest, int(confidences[r].size())));
+  if (pricing.padded_rows) {
+    // The forward costs a whole level at a time (every row as long as the
+    // longest), so the candidates are the levels: level j is every row's
+    // position j, of survival Σ_r a_{r,j} (descending in j, as each row's
+    // a_{r,j} is), admitted while the round's rate rises, stopping at the
+    // first that does not. (Walking single positions, one row's a_{r,j} had
+    // to pay for the whole level: at batch 4 on the H100 the walk verified
+    // one draft a row where every row's second position paid together.)
+    int longest = 0;  // L: the levels admitted
+    double rate = rate_of(expected, tokens, 0);
+    for (;; ++longest) {
+      double level = 0.0;
+      bool drafted = false;
+      for (int r = 0; r < rows; ++r)
+        if (longest < int(survivals[r].size())) level += survivals[r][longest], drafted = true;
+      if (!drafted) break;
+      const double admitted_rate = rate_of(expected + level, 0, longest + 1);
+      if (!(admitted_rate > rate)) break;  // the early stop: never skip a level and go on
+      expected += level, rate = admitted_rate;
+    }
+    for (int r = 0; r < rows; ++r) verify[r] = std::min(longest, int(survivals[r].size()));
     tokens = rows * (1 + longest) + extra_tokens;
+  } else {
+    struct Candidate {
+      double survival;  // a_{r,j}
+      int position, row;
+    };
+    std::vector<Candidate> candidates;
+    for (int r = 0; r < rows; ++r)
+      for (size_t j = 0; j < survivals[r].size(); ++j) candidates.push_back({survivals[r][j], int(j), r});
+    // Descending survival; ties by position, so a row's positions come in order
+    // (its prefix stays a prefix), then by row for a fixed order.
+    std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
+      if (a.survival != b.survival) return a.survival > b.survival;
+      if (a.position != b.position) return a.position < b.position;
+      return a.row < b.row;
+    });
+    double rate = rate_of(expected, tokens, 0);
+    for (const Candidate& candidate : candidates) {
+      const double admitted_rate = rate_of(expected + candidate.survival, tokens + 1, 0);
+      if (!(admitted_rate > rate)) break;  // the early stop: never skip a position and go on
+      DSPARK_CHECK(verify[candidate.row] == candidate.position, "prefix scheduler: row ", candidate.row,
+                   " would verify position ", candidate.position, " after ", verify[candidate.row]);
+      verify[candidate.row] = candidate.position + 1;
+      tokens += 1, expected += candidate.survival, rate = admitted_rate;
+    }
   }
   if (forward_tokens) *forward_tokens = tokens;
   return verify;

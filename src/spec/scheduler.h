@@ -232,8 +232,8 @@ class VerifyScheduler {
  public:
   virtual ~VerifyScheduler() = default;
   // Asked before each round: how many of the outlook's rows (the first ones:
-  // the engine lists those with the most tokens left first) draft; the
-  // others take a plain decoding step (their pending token alone). With 0, schedule() is not called. Must not depend on
+  // the engine lists the newest requests first) draft; the others take a
+  // plain decoding step (their pending token alone). With 0, schedule() is not called. Must not depend on
   // anything drawn in that round.
   virtual int rows_to_draft(const RoundOutlook& outlook) { return static_cast<int>(outlook.remaining.size()); }
   // Asked after rows_to_draft(), when some rows draft: the most positions
@@ -265,8 +265,10 @@ struct RoundPricing {
   // The target runs every row of a verify forward as long as the longest
   // (the CUDA target's captured shapes pad them): a round of R rows whose
   // longest verifies L drafts costs 1/SPS.round_at(R, L) however short the
-  // others are, so a row's positions up to L cost nothing more and, once the
-  // walk stops, every row verifies up to L of its drafts (B = R (1 + L)).
+  // others are. The walk's candidates are then the levels: level j, every
+  // row's position j, costs a level of R rows and brings Σ_r a_{r,j}; the
+  // levels are admitted in order (their survivals descend) while the round's
+  // rate rises, and every row verifies up to L of its drafts (B = R (1 + L)).
   bool padded_rows = false;
 };
 
@@ -275,11 +277,11 @@ struct RoundPricing {
 // length. `extra_tokens`: tokens in the forward beyond the R pending ones and
 // the candidates (rows verified whole because they have no confidences).
 // `forward_tokens` (when given) receives B of the schedule.
-// With padded rows, the rows' fill to the longest is lossless too: whether a
-// row's position j is filled depends on L, which the walk fixed before it
-// reached (r, j) (a position is walked after every position of higher
-// survival, and a row's survival never rises along it), so only on
-// confidences computed before x_j was drawn.
+// With padded rows, walking levels is lossless too: whether level j is
+// verified depends on a_{r',j'} for j' <= j of every row, so for row r only on
+// confidences computed before x_{r,j} was drawn (c_{r,j} reads tokens < j),
+// and on other rows' independent draws; a level past the first that does
+// not pay is never looked at.
 std::vector<int> prefix_schedule(std::span<const std::vector<float>> confidences, const SpsProfile& sps,
                                  int extra_tokens = 0, int* forward_tokens = nullptr, const RoundPricing& pricing = {});
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <ranges>
 
 #include "core/error.h"
 #include "core/random.h"
@@ -158,26 +159,21 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   std::vector<std::vector<int32_t>> blocks;
   std::vector<int32_t> emitted;
   std::vector<float> target_probs;
-  std::vector<int32_t> sampling_order;
-  std::vector<size_t> order;  // the running requests as a round lists them
+  std::vector<int32_t> order;
   while (true) {
     admit(false);  // places freed by the last round go to waiting requests
     active.clear();
     limits.clear();
     remaining.clear();
     pending.clear();
-    // Requests already decoding first (they may draft), those with the most
-    // tokens still to emit first: where the scheduler lets only some rows
-    // draft (a probe), those rows' drafts are not cut short by a request's
-    // end (the oldest row, often a few tokens from its end under continuous
-    // batching, judged drafting by a draft of one or two). Then the fresh ones.
-    order.assign(running.begin(), running.end());
-    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-      return requests[a].result.tokens.size() < requests[b].result.tokens.size();
-    });
+    // Requests already decoding first (they may draft), the newest first:
+    // where the scheduler lets only some rows draft (a probe), those rows'
+    // drafts are the least likely to be cut short by a request's end (the
+    // oldest row, often a few tokens from its end under continuous batching,
+    // had the gate judge drafting by a draft of one or two). Then the fresh ones.
     size_t established = 0;
     for (bool fresh : {false, true})
-      for (size_t r : order) {
+      for (size_t r : std::views::reverse(running)) {
         Request& request = requests[r];
         if (request.done || request.fresh != fresh) continue;
         const int length = target.sequence_length(request.sequence);
@@ -293,7 +289,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
         target_probs.resize(size_t(n + 1) * V);
         for (int k = 0; k <= n; ++k)
           cpu::processed_distribution(target_probs.data() + size_t(k) * V, step.logits.data() + (row + k) * V, V,
-                                      options.sampling, sampling_order);
+                                      options.sampling, order);
         verdict = accept_sampled(target_probs, proposal.probs, proposal.tokens, V, request.rng);
       }
       // Keep pending + the accepted drafts in the cache (roll back the
