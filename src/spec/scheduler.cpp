@@ -66,6 +66,19 @@ double interpolate_rate(const std::vector<int>& points, const std::vector<double
   return 1.0 / (seconds(last) + slope * (x - points[last]));
 }
 
+// The value at x of a quantity measured at ascending points (value(i) at
+// points[i]): linear between points, clamped to the first and the last.
+template <typename Value>
+double interpolate_clamped(const std::vector<int>& points, double x, Value value) {
+  const size_t n = points.size();
+  if (n == 1) return value(0);
+  x = std::clamp<double>(x, points.front(), points.back());
+  size_t i = 0;
+  while (i + 2 < n && x > points[i + 1]) ++i;
+  const double fraction = (x - points[i]) / double(points[i + 1] - points[i]);
+  return value(i) + fraction * (value(i + 1) - value(i));
+}
+
 // Reads a (points, rates) pair: non-empty, of one length, points positive
 // and ascending, rates positive.
 void read_rates(const Json& json, const char* points_key, const char* rates_key, const std::string& where,
@@ -98,14 +111,10 @@ double SpsProfile::round_at(int rows, double drafts_per_row) const {
   if (K == 0 || plain_rows.empty() || round_steps_per_second.size() != plain_rows.size() * K)
     return at(static_cast<int>(std::lround(rows * (1.0 + drafts_per_row))));
   // Each measured R's rate at k drafts (step time linear in k, clamped to the measured range) ...
-  const double k = std::clamp(drafts_per_row, 0.0, double(round_drafts.back()));
   std::vector<double> rates(plain_rows.size());
   for (size_t r = 0; r < plain_rows.size(); ++r) {
     const double* row = round_steps_per_second.data() + r * K;
-    size_t i = 0;
-    while (i + 2 < K && k > round_drafts[i + 1]) ++i;
-    const double fraction = K == 1 ? 0.0 : (k - round_drafts[i]) / double(round_drafts[i + 1] - round_drafts[i]);
-    rates[r] = K == 1 ? row[0] : 1.0 / (1.0 / row[i] + fraction * (1.0 / row[i + 1] - 1.0 / row[i]));
+    rates[r] = 1.0 / interpolate_clamped(round_drafts, drafts_per_row, [&](size_t i) { return 1.0 / row[i]; });
   }
   // ... then across R.
   return interpolate_rate(plain_rows, rates, rows);
@@ -253,12 +262,7 @@ double DraftCostProfile::at(int count, int length) const {
   // Each measured R's time at this length ...
   auto at_length = [&](size_t point) {
     const double* times = seconds.data() + point * L;
-    if (L == 1) return times[0];
-    const double x = std::clamp<double>(length, lengths.front(), lengths.back());
-    size_t i = 0;
-    while (i + 2 < L && x > lengths[i + 1]) ++i;
-    const double fraction = (x - lengths[i]) / double(lengths[i + 1] - lengths[i]);
-    return times[i] + fraction * (times[i + 1] - times[i]);
+    return lengths.empty() ? times[0] : interpolate_clamped(lengths, length, [&](size_t i) { return times[i]; });
   };
   // ... then across R.
   const double R = std::max(1, count);

@@ -233,8 +233,8 @@ class VerifyScheduler {
   virtual ~VerifyScheduler() = default;
   // Asked before each round: how many of the outlook's rows (the first ones:
   // the engine lists the newest requests first) draft; the others take a
-  // plain decoding step (their pending token alone). With 0, schedule() is not called. Must not depend on
-  // anything drawn in that round.
+  // plain decoding step (their pending token alone). With 0, schedule() is
+  // not called. Must not depend on anything drawn in that round.
   virtual int rows_to_draft(const RoundOutlook& outlook) { return static_cast<int>(outlook.remaining.size()); }
   // Asked after rows_to_draft(), when some rows draft: the most positions
   // each of them drafts this round, at most `gamma` (a shorter draft costs
@@ -363,7 +363,7 @@ class PrefixScheduler final : public VerifyScheduler {
   bool drafting_round_ = false, after_drafted_round_ = false;  // this round drafts; the one before did
   std::vector<SmoothedRatio> survival_;  // [γ] ā_j: position j's survival a_{r,j}, the mean over a round's rows
   int draft_length_ = 0;                 // this round's L (0: every position the rows may draft)
-  long drafted_rounds_ = 0;              // rounds that asked draft_length()
+  long drafted_rounds_ = 0;              // draft_length() calls with the survivals known
 };
 
 }  // namespace dspark
