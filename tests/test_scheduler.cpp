@@ -337,7 +337,7 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
   EXPECT_EQ(plain_run, 1600 - 1535 - 12);                              // into the next run of 512
   EXPECT_EQ(shut.rows_to_draft(Outlook(std::vector<int>(3, 64))), 0);  // 3 rows: the same power of two
   // Two rows beside two requests admitted this round: still a batch of four.
-  EXPECT_EQ(shut.rows_to_draft(Outlook(std::vector<int>(2, 64), 10, 2)), 0);
+  EXPECT_EQ(shut.rows_to_draft(Outlook(std::vector<int>(2, 64), 0, 2)), 0);
   EXPECT_EQ(shut.rows_to_draft(Outlook(std::vector<int>(2, 64))), 1);
   // Back at four rows the gate resumes its run of plain rounds (a probe
   // comes after 1600 - 1535 - 12 + 2 = 55 of its 512, not at once).
@@ -355,6 +355,36 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
     EXPECT_EQ(alone.rows_to_draft(one), 1);
     alone.schedule(poor, verify);
   }
+}
+
+// A batch that drains (no request waiting) is judged by its slowest row and
+// has gates of its own: its rounds shutting them leave the gate of the same
+// size that waiting requests refill as it was.
+TEST(PrefixScheduler, DrainingBatchesHaveGatesOfTheirOwn) {
+  const SpsProfile flat = profile({1, 1000}, {100.0, 100.0});
+  std::vector<Proposal> good(4), poor(3);
+  for (Proposal& proposal : good) proposal.tokens = {1, 2}, proposal.confidence = {0.9f, 0.9f};
+  for (Proposal& proposal : poor) proposal.tokens = {1}, proposal.confidence = {0.05f};
+  PrefixScheduler scheduler(flat, DraftCostProfile{{1}, {0.001}});  // D(R) = R ms
+  std::vector<int> verify;
+  // Four rows refilled from a queue: 4 x 2.71 tokens / 14 ms against 400 tokens/s, gain 1.94.
+  const Outlook refilled(std::vector<int>(4, 64), /*waiting=*/8);
+  for (int round = 0; round < 3; ++round) {
+    ASSERT_EQ(scheduler.rows_to_draft(refilled), 4);
+    scheduler.schedule(good, verify);
+  }
+  // The queue's tail: three rows of 1.05 tokens a round, 3.15 / 13 ms against
+  // 300, gain 0.81 (once the rows' paces, smoothed by halves from 2.71, come
+  // down): the draining gate, started from 1.94, shuts after 15 rounds.
+  const Outlook tail(std::vector<int>(3, 64));
+  int drafted = 0;
+  while (scheduler.rows_to_draft(tail) == 3 && drafted < 40) scheduler.schedule(poor, verify), ++drafted;
+  EXPECT_EQ(drafted, 15);
+  EXPECT_LT(scheduler.gain(), 1.0);
+  // Refilled again, the batch drafts at once: its gate was not shut by the tail.
+  EXPECT_EQ(scheduler.rows_to_draft(refilled), 4);
+  scheduler.schedule(good, verify);
+  EXPECT_GT(scheduler.gain(), 1.9);
 }
 
 // The gate times the rounds it runs: drafted rounds that take longer than the

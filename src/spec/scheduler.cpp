@@ -668,8 +668,8 @@ double PrefixScheduler::round_draft_seconds(int rows) const {
 }
 
 void PrefixScheduler::enter_gate(int rows) {
-  rows_bucket_ = static_cast<int>(std::bit_ceil(unsigned(std::max(rows, 1))));
-  auto [gate, first] = gates_.try_emplace(rows_bucket_);
+  gate_key_ = {static_cast<int>(std::bit_ceil(unsigned(std::max(rows, 1)))), waiting_ == 0};
+  auto [gate, first] = gates_.try_emplace(gate_key_);
   // A batch size not seen before starts from the gain of the one the batch
   // comes from, and looks at once: a probe if that gate is shut.
   if (first && gate_) gate->second.gain = gate_->gain;
@@ -679,7 +679,8 @@ void PrefixScheduler::enter_gate(int rows) {
 double PrefixScheduler::slowest_share() const {
   // Measured at this batch's power of two, else at the largest smaller one:
   // the slowest of more rows is slower still, so that is an upper bound.
-  for (auto gate = gates_.upper_bound(rows_bucket_); gate != gates_.begin();)
+  // (Only a batch that no request waits for measures it.)
+  for (auto gate = gates_.upper_bound({gate_key_.first, true}); gate != gates_.begin();)
     if ((--gate)->second.slowest_share.measured) return gate->second.slowest_share.value;
   return 1.0;
 }
