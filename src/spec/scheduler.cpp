@@ -43,6 +43,15 @@ namespace {
 // walk's sort order.
 double survival_factor(double confidence) { return confidence > 0.0 ? std::min(confidence, 1.0) : 0.0; }
 
+// a_j = Π_{i≤j} c_i, the survival of one row's draft through each position
+// (never increasing along it).
+std::vector<double> survivals_of(std::span<const float> confidences) {
+  std::vector<double> survivals;
+  double survival = 1.0;
+  for (float confidence : confidences) survivals.push_back(survival *= survival_factor(confidence));
+  return survivals;
+}
+
 // DSPARK_GATE_LOG=1: the gate's estimates and timed rounds on stderr.
 bool gate_log() {
   static const bool on = environment_switch_on("DSPARK_GATE_LOG");
@@ -542,11 +551,8 @@ DraftCostProfile cached_draft_cost(Target& target, DraftSource& source, const st
 std::vector<int> prefix_schedule(std::span<const std::vector<float>> confidences, const SpsProfile& sps,
                                  int extra_tokens, int* forward_tokens, const RoundPricing& pricing) {
   const int rows = static_cast<int>(confidences.size());
-  std::vector<std::vector<double>> survivals(rows);  // a_{r,j}, never increasing along a row
-  for (int r = 0; r < rows; ++r) {
-    double survival = 1.0;
-    for (float confidence : confidences[r]) survivals[r].push_back(survival *= survival_factor(confidence));
-  }
+  std::vector<std::vector<double>> survivals;  // a_{r,j}
+  for (const std::vector<float>& row : confidences) survivals.push_back(survivals_of(row));
   std::vector<int> verify(rows, 0);
   int tokens = rows + extra_tokens;  // B: each row's pending token, plus what is verified anyway
   double expected = rows;            // τ*: each row emits at least one token
@@ -749,14 +755,10 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   std::vector<int> survival_rows;
   for (int r = 0; r < R; ++r) {
     if (!drafted(r)) continue;
-    const std::vector<float>& confidences = confidences_[r];
-    if (survival_sums.size() < confidences.size())
-      survival_sums.resize(confidences.size()), survival_rows.resize(confidences.size());
-    double survival = 1.0;
-    for (size_t j = 0; j < confidences.size(); ++j) {
-      survival_sums[j] += survival *= survival_factor(confidences[j]);
-      ++survival_rows[j];
-    }
+    const std::vector<double> survivals = survivals_of(confidences_[r]);
+    if (survival_sums.size() < survivals.size())
+      survival_sums.resize(survivals.size()), survival_rows.resize(survivals.size());
+    for (size_t j = 0; j < survivals.size(); ++j) survival_sums[j] += survivals[j], ++survival_rows[j];
   }
   if (survival_.size() < survival_sums.size()) survival_.resize(survival_sums.size());
   for (size_t j = 0; j < survival_sums.size(); ++j)
