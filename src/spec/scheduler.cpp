@@ -58,12 +58,14 @@ bool gate_log() {
   return on;
 }
 
-// Steps per second at `count` from measured (points, rates): the step time
-// interpolated linearly, extrapolated linearly (never decreasing) past the last.
-double interpolate_rate(const std::vector<int>& points, const std::vector<double>& rates, int count) {
+// Steps per second at `count` from measured points (rate(i) at points[i]):
+// the step time interpolated linearly, extrapolated linearly (never
+// decreasing) past the last. Only the points around `count` are evaluated.
+template <typename Rate>
+double interpolate_rate(const std::vector<int>& points, int count, Rate rate) {
   const double x = std::max(1, count);
-  auto seconds = [&](size_t i) { return 1.0 / rates[i]; };
-  if (x <= points.front()) return rates.front();
+  auto seconds = [&](size_t i) { return 1.0 / rate(i); };
+  if (x <= points.front()) return rate(0);
   for (size_t i = 0; i + 1 < points.size(); ++i) {
     if (x > points[i + 1]) continue;
     const double fraction = (x - points[i]) / double(points[i + 1] - points[i]);
@@ -107,26 +109,25 @@ void read_rates(const Json& json, const char* points_key, const char* rates_key,
 
 double SpsProfile::at(int tokens_in_forward) const {
   DSPARK_CHECK(!tokens.empty() && tokens.size() == steps_per_second.size(), "SPS profile: no measurements");
-  return interpolate_rate(tokens, steps_per_second, tokens_in_forward);
+  return interpolate_rate(tokens, tokens_in_forward, [&](size_t i) { return steps_per_second[i]; });
 }
 
 double SpsProfile::plain_at(int rows) const {
   if (plain_rows.empty() || plain_rows.size() != plain_steps_per_second.size()) return at(rows);
-  return interpolate_rate(plain_rows, plain_steps_per_second, rows);
+  return interpolate_rate(plain_rows, rows, [&](size_t i) { return plain_steps_per_second[i]; });
 }
 
 double SpsProfile::round_at(int rows, double drafts_per_row) const {
   const size_t K = round_drafts.size();
   if (K == 0 || plain_rows.empty() || round_steps_per_second.size() != plain_rows.size() * K)
     return at(static_cast<int>(std::lround(rows * (1.0 + drafts_per_row))));
-  // Each measured R's rate at k drafts (step time linear in k, clamped to the measured range) ...
-  std::vector<double> rates(plain_rows.size());
-  for (size_t r = 0; r < plain_rows.size(); ++r) {
+  // Each measured R's rate at k drafts (step time linear in k, clamped to the
+  // measured range), then across R; computed for the R points used only (no
+  // allocation: Alg 1 and the draft length ask several times a round).
+  return interpolate_rate(plain_rows, rows, [&](size_t r) {
     const double* row = round_steps_per_second.data() + r * K;
-    rates[r] = 1.0 / interpolate_clamped(round_drafts, drafts_per_row, [&](size_t i) { return 1.0 / row[i]; });
-  }
-  // ... then across R.
-  return interpolate_rate(plain_rows, rates, rows);
+    return 1.0 / interpolate_clamped(round_drafts, drafts_per_row, [&](size_t i) { return 1.0 / row[i]; });
+  });
 }
 
 Json SpsProfile::to_json() const {
