@@ -372,6 +372,16 @@ void run_bench_spec(const BenchSpecFlags& flags) {
         {"outputs_matched", mode.matched},
         {"all_outputs_match", mode.matched == long(point.requests)}};
   };
+  // A point's batch and its plain decoding, in either shape of the output.
+  auto point_json = [](const Point& point) {
+    return Json{{"batch", point.batch},
+                {"requests", point.requests},
+                {"plain_tokens_per_s", point.plain.tokens_per_s()},
+                {"plain_prefill_ms", 1e3 * point.plain.prefill_seconds},
+                {"plain_steps", point.plain.steps},
+                {"plain_ms_per_step",
+                 1e3 * (point.plain.seconds - point.plain.prefill_seconds) / std::max<long>(point.plain.steps, 1)}};
+  };
   if (!flags.plot.empty()) {
     std::vector<PlotSeries> series;
     const Marker markers[] = {Marker::square, Marker::triangle, Marker::diamond, Marker::cross};
@@ -415,15 +425,13 @@ void run_bench_spec(const BenchSpecFlags& flags) {
     const double plain_rate = point.plain.tokens_per_s(), spec_rate = mode.tokens_per_s();
     const double speedup = spec_rate / plain_rate, ideal = mode.stats.tau() * t1 / t_block;
     Json out = mode_json(point, mode);
+    out.update(point_json(point));
     out.update({{"device", target->device_description()},
                 {"draft", flags.draft},
                 {"schedule", schedules[0]},
                 {"prompts", prompts.size()},
-                {"requests", point.requests},
-                {"batch", batch},
                 {"gamma", gamma},
                 {"temperature", flags.temperature},
-                {"plain_tokens_per_s", plain_rate},
                 {"spec_tokens_per_s", spec_rate},
                 {"verify_cost_ratio", t_block / t1},
                 {"ideal_speedup", ideal},
@@ -461,14 +469,8 @@ void run_bench_spec(const BenchSpecFlags& flags) {
   if (!sps_note.empty()) out["sps_profile"] = sps_note;
   if (flags.plot.size()) out["plot"] = flags.plot;
   for (const Point& point : points) {
-    Json entry = {{"batch", point.batch},
-                  {"requests", point.requests},
-                  {"plain_tokens_per_s", point.plain.tokens_per_s()},
-                  {"plain_prefill_ms", 1e3 * point.plain.prefill_seconds},
-                  {"plain_steps", point.plain.steps},
-                  {"plain_ms_per_step", 1e3 * (point.plain.seconds - point.plain.prefill_seconds) /
-                                            std::max<long>(point.plain.steps, 1)},
-                  {"schedules", Json::object()}};
+    Json entry = point_json(point);
+    entry["schedules"] = Json::object();
     for (size_t m = 0; m < schedules.size(); ++m) entry["schedules"][schedules[m]] = mode_json(point, point.modes[m]);
     out["points"].push_back(entry);
   }

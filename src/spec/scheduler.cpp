@@ -711,7 +711,15 @@ void PrefixScheduler::RecentMedian::add(double ratio) {
 
 void PrefixScheduler::observe_round(double seconds, bool warming_up) {
   RecentMedian* timed = std::exchange(timed_, nullptr);
-  if (!draft_cost_ || !timed || seconds <= 0.0 || warming_up) return;
+  if (!draft_cost_ || seconds <= 0.0) return;
+  if (!timed || warming_up) {  // (what the rounds the gate leaves out cost, for the log)
+    const char* kind = !drafting_round_ ? "undrafted" : probing_ ? "probe" : "drafted";
+    if (gate_log())
+      std::fprintf(stderr, "gate untimed %s round: %.4f ms (%s%s%d prompt tokens)\n", kind, 1e3 * seconds,
+                   warming_up ? "warming up, " : "",
+                   drafting_round_ && !after_drafted_round_ ? "after an undrafted round, " : "", admitted_tokens_);
+    return;
+  }
   // A round that warmed a shape up, or far off its prediction for another
   // reason, is a one-off, not what the next rounds will cost (scheduler.h).
   const double ratio = seconds / predicted_seconds_;
