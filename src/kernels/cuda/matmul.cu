@@ -49,7 +49,7 @@ struct MatmulPath {
 //    the GEMV, by the grid's last block to finish.
 using Epilogue = GemvEpilogue;
 
-// (rows, in, out, output type, bias, epilogue, kernels allowed): a shape's choice of MatmulPath.
+// (row class: choice_rows, in, out, output type, bias, epilogue, kernels allowed): a shape's choice of MatmulPath.
 using PathKey = std::tuple<int, int, int, MatmulOutput, bool, int, FewRowKernels>;
 
 struct Plan {
@@ -243,6 +243,22 @@ constexpr int kMmaFewWavesMost = 6;
 constexpr int kMmaFewWavesMinBlocks = 3;
 constexpr int kMmaFewWavesEarlySteps = 2;
 constexpr int kMmaMaxRows = 64;
+
+// The row count a shape's one-time choices are made for: its own up to
+// kRowInvariantRows (decode and short verify steps, whose rows keep their
+// bits), else its class (17-32, 33-48, 49-64, then each power of two). A
+// verify forward that carries a newly admitted prompt has a row count of its
+// own nearly every time (the prompt's length plus the verified drafts), and
+// each new count timed every candidate path and asked cuBLASLt's heuristic
+// again: on the H100 such rounds took 1.0 ms at batch 8 (up to 6 ms) against
+// 0.36 ms for the same admission beside undrafted rows, whose counts recur.
+int choice_rows(int rows) {
+  if (rows <= kRowInvariantRows) return rows;
+  if (rows <= kMmaMaxRows) return (rows + 15) / 16 * 16;
+  int rows_class = 2 * kMmaMaxRows;
+  while (rows_class < rows) rows_class *= 2;
+  return rows_class;
+}
 
 template <int TILES, Epilogue EPILOGUE, bool FEW_WAVES = false>
 __global__ void __launch_bounds__(kMmaWarps * 32, FEW_WAVES ? kMmaFewWavesMinBlocks : kMmaMinBlocks<TILES>)
@@ -513,6 +529,17 @@ class MatmulContext {
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.weight_layout, CUDA_R_16BF, in, out, in));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.x_layout, CUDA_R_16BF, in, rows, in));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.out_layout, output, out, rows, out));
+    // The algorithm the heuristic gave the first shape of this row class, where it runs this one.
+    const auto class_key = std::make_tuple(choice_rows(rows), in, out, out_type, with_bias);
+    if (auto known = algorithms_.find(class_key); known != algorithms_.end()) {
+      cublasLtMatmulHeuristicResult_t check{};
+      if (cublasLtMatmulAlgoCheck(handle_, plan.operation, plan.weight_layout, plan.x_layout, plan.out_layout,
+                                  plan.out_layout, &known->second, &check) == CUBLAS_STATUS_SUCCESS &&
+          check.workspaceSize <= kWorkspaceBytes) {
+        plan.algorithm = known->second;
+        return plans_.emplace(key, plan).first->second;
+      }
+    }
     cublasLtMatmulPreference_t preference;
     CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference));
     const size_t workspace = kWorkspaceBytes;
@@ -527,11 +554,13 @@ class MatmulContext {
     DSPARK_CHECK(found_count > 0, "cuBLASLt has no algorithm for a ", rows, "x", in, " @ ", in, "x", out,
                  " bf16 product");
     plan.algorithm = result.algo;
+    algorithms_.try_emplace(class_key, result.algo);
     return plans_.emplace(key, plan).first->second;
   }
   // The MatmulPath that runs this shape fastest: every candidate (cuBLASLt
   // when with_cublaslt, each GEMV kernel fused and unfused) timed once,
-  // outside any graph capture (a shape's first use), then remembered.
+  // outside any graph capture (the first use of a shape's row class), then
+  // remembered for the class.
   // run(path, stream) computes the product along `path` on `stream`.
   // With no GEMV candidate the choice is cuBLASLt, untimed.
   template <class Run>
@@ -559,8 +588,8 @@ class MatmulContext {
     }
     static const bool log = std::getenv("DSPARK_MATMUL_LOG") != nullptr;
     if (log)
-      std::fprintf(stderr, "matmul %d x %d -> %d (epilogue %d): %s us\n", std::get<0>(key), std::get<1>(key),
-                   std::get<2>(key), std::get<5>(key), times.c_str());
+      std::fprintf(stderr, "matmul %d (row class) x %d -> %d (epilogue %d): %s us\n", std::get<0>(key),
+                   std::get<1>(key), std::get<2>(key), std::get<5>(key), times.c_str());
     return remember(key, chosen);
   }
   // The path chosen for a shape before, if any.
@@ -585,7 +614,8 @@ class MatmulContext {
   void* workspace_ = nullptr;
   std::mutex mutex_;
   std::map<std::tuple<int, int, int, MatmulOutput, bool>, Plan> plans_;
-  std::map<PathKey, MatmulPath> choices_;
+  std::map<std::tuple<int, int, int, MatmulOutput, bool>, cublasLtMatmulAlgo_t> algorithms_;  // by row class
+  std::map<PathKey, MatmulPath> choices_;                                                     // by row class
 
   MatmulPath remember(const PathKey& key, const MatmulPath& path) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -643,7 +673,7 @@ void matmul(void* out, MatmulOutput out_type, Epilogue epilogue, const bf16* x, 
     epilogue_kernel(on);
   };
   // A shape's path is chosen on its first use; later calls (every eager step) only look it up.
-  const PathKey key = std::make_tuple(rows, in_features, out_features, out_type, bias != nullptr,
+  const PathKey key = std::make_tuple(choice_rows(rows), in_features, out_features, out_type, bias != nullptr,
                                       static_cast<int>(epilogue), kernels_allowed);
   if (const std::optional<MatmulPath> path = matmul.chosen(key)) return run(*path, stream);
   std::vector<GemvKernel> kernels = gemv_kernels(rows, in_features);
