@@ -44,12 +44,11 @@ namespace {
 double survival_factor(double confidence) { return confidence > 0.0 ? std::min(confidence, 1.0) : 0.0; }
 
 // a_j = Π_{i≤j} c_i, the survival of one row's draft through each position
-// (never increasing along it).
-std::vector<double> survivals_of(std::span<const float> confidences) {
-  std::vector<double> survivals;
+// (never increasing along it), into `survivals` (its storage reused).
+void survivals_of(std::span<const float> confidences, std::vector<double>& survivals) {
+  survivals.clear();
   double survival = 1.0;
   for (float confidence : confidences) survivals.push_back(survival *= survival_factor(confidence));
-  return survivals;
 }
 
 // DSPARK_GATE_LOG=1: the gate's estimates and timed rounds on stderr.
@@ -552,8 +551,8 @@ DraftCostProfile cached_draft_cost(Target& target, DraftSource& source, const st
 std::vector<int> prefix_schedule(std::span<const std::vector<float>> confidences, const SpsProfile& sps,
                                  int extra_tokens, int* forward_tokens, const RoundPricing& pricing) {
   const int rows = static_cast<int>(confidences.size());
-  std::vector<std::vector<double>> survivals;  // a_{r,j}
-  for (const std::vector<float>& row : confidences) survivals.push_back(survivals_of(row));
+  std::vector<std::vector<double>> survivals(rows);  // a_{r,j}
+  for (int r = 0; r < rows; ++r) survivals_of(confidences[r], survivals[r]);
   std::vector<int> verify(rows, 0);
   int tokens = rows + extra_tokens;  // B: each row's pending token, plus what is verified anyway
   double expected = rows;            // τ*: each row emits at least one token
@@ -759,23 +758,25 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   int drafting = 0;
   for (int r = 0; r < R; ++r) drafting += drafted(r);
   if (drafting == 0) return;
-  // ā_j, for draft_length(): the mean over the rows that drafted position j.
-  std::vector<double> survival_sums;
-  std::vector<int> survival_rows;
+  // Each row's a_{r,j}, once a round (for ā_j and the rows' e_r below).
+  survivals_.resize(R);
+  size_t drafted_positions = 0;
   for (int r = 0; r < R; ++r) {
-    if (!drafted(r)) continue;
-    const std::vector<double> survivals = survivals_of(confidences_[r]);
-    if (survival_sums.size() < survivals.size())
-      survival_sums.resize(survivals.size()), survival_rows.resize(survivals.size());
-    for (size_t j = 0; j < survivals.size(); ++j) survival_sums[j] += survivals[j], ++survival_rows[j];
+    survivals_of(confidences_[r], survivals_[r]);
+    if (drafted(r)) drafted_positions = std::max(drafted_positions, survivals_[r].size());
   }
-  if (survival_.size() < survival_sums.size()) survival_.resize(survival_sums.size());
-  for (size_t j = 0; j < survival_sums.size(); ++j)
-    survival_[j].add(survival_sums[j] / survival_rows[j], kSurvivalWeight);
-  const auto expected_of = [](const std::vector<float>& confidences, int verified) {
-    double expected = 1.0, survival = 1.0;  // e_r = 1 + Σ_{j < verified} a_{r,j}
-    for (int j = 0; j < verified && j < int(confidences.size()); ++j)
-      expected += survival *= survival_factor(confidences[j]);
+  // ā_j, for draft_length(): the mean over the rows that drafted position j.
+  if (survival_.size() < drafted_positions) survival_.resize(drafted_positions);
+  for (size_t j = 0; j < drafted_positions; ++j) {
+    double sum = 0.0;
+    int count = 0;
+    for (int r = 0; r < R; ++r)
+      if (drafted(r) && j < survivals_[r].size()) sum += survivals_[r][j], ++count;
+    survival_[j].add(sum / count, kSurvivalWeight);
+  }
+  const auto expected_of = [&](int r, int verified) {  // e_r = 1 + Σ_{j < verified} a_{r,j}
+    double expected = 1.0;
+    for (int j = 0; j < verified && j < int(survivals_[r].size()); ++j) expected += survivals_[r][j];
     return expected;
   };
   // A probe's row stands for all R: its e_r and the round's B are those of
@@ -790,13 +791,13 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
     while (!drafted(probe_row)) ++probe_row;  // (drafting > 0)
     copies_.assign(R, confidences_[probe_row]);
     const std::vector<int> copies_verify = prefix_schedule(copies_, sps_, 0, &probe_tokens, pricing);
-    for (int k = 0; k < R; ++k) probe_expected += expected_of(copies_[k], copies_verify[k]) / R;
+    for (int k = 0; k < R; ++k) probe_expected += expected_of(probe_row, copies_verify[k]) / R;
   }
   double total_expected = 0.0, total_paced = 0.0;  // Σ_r e_r, and of the e_r the slowest row is found by
   double most_left = 0.0, most_rounds = 0.0;       // max_r n_r and max_r n_r / e_r
   for (int r = 0; r < R; ++r) {
     if (!drafted(r)) continue;
-    double row_expected = probing_ ? probe_expected : expected_of(confidences_[r], verify[r]);
+    double row_expected = probing_ ? probe_expected : expected_of(r, verify[r]);
     total_expected += row_expected;
     // The slowest of several rows, from each row's e_r smoothed over the
     // rounds it drafted (scheduler.h). One row's estimate, and a sum, are

@@ -317,6 +317,7 @@ class PrefixScheduler final : public VerifyScheduler {
   bool padded_rows_ = false;
   std::vector<std::vector<float>> confidences_;
   std::vector<std::vector<float>> copies_;  // a probe's confidences, once for each row
+  std::vector<std::vector<double>> survivals_;  // [R] the round's a_{r,j} (schedule(); storage kept)
   std::vector<int> rows_, remaining_;  // the round's outlook (rows_to_draft())
   int waiting_ = 0;
   struct RowPace {
