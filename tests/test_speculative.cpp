@@ -296,6 +296,62 @@ TEST_F(ContinuousBatching, PlainAndSpeculativeDecodingTakeAPromptInTheSameForwar
   }
 }
 
+// Under continuous batching both modes count a forward in full_batch when it
+// carries max_active requests (a prompt riding in it included), with the
+// tokens it generated; the prefill and the tail's forwards do not count, and
+// without max_active nothing does.
+TEST_F(ContinuousBatching, FullBatchTimingCountsTheForwardsWithEveryPlaceTaken) {
+  const Drafter drafter = random_drafter(model.config, "markov", 4, 23, 3.0f);
+  DSparkSource source(drafter, target_head_of(model));
+  ASSERT_GE(prompts.size(), 3u);
+  for (int max_active : {0, 2}) {
+    GenerateOptions plain_options;
+    plain_options.max_new_tokens = 6;
+    plain_options.ignore_eos = true;
+    plain_options.max_active = max_active;
+    SpeculativeOptions speculative_options;
+    speculative_options.max_new_tokens = 6;
+    speculative_options.ignore_eos = true;
+    speculative_options.gamma = 4;
+    speculative_options.max_active = max_active;
+    RecordingTarget plain(target), speculative(target);
+    const std::vector<GenerateResult> plain_results = generate_batch(plain, prompts, plain_options);
+    SpeculativeTiming timing;
+    const std::vector<SpeculativeResult> speculative_results =
+        speculative_generate(speculative, source, prompts, speculative_options, &timing);
+    const std::string what = "max_active " + std::to_string(max_active);
+    // (Forward 0 is the prefill of the prompts admitted at the start.)
+    auto full_forwards = [&](const RecordingTarget& recorded) {
+      return std::count_if(recorded.forwards.begin() + 1, recorded.forwards.end(),
+                           [&](const auto& inputs) { return int(inputs.size()) == max_active; });
+    };
+    const FullBatchTiming& plain_full = plain_results[0].full_batch;
+    if (max_active == 0) {
+      EXPECT_EQ(plain_full.forwards, 0);
+      EXPECT_EQ(timing.full_batch.forwards, 0);
+      continue;
+    }
+    EXPECT_EQ(plain_full.forwards, full_forwards(plain)) << what;
+    EXPECT_EQ(timing.full_batch.forwards, full_forwards(speculative)) << what;
+    EXPECT_LT(plain_full.forwards, plain_results[0].forwards);  // the tail runs one request
+    EXPECT_LT(timing.full_batch.forwards, timing.rounds);
+    // Plain decoding: a token for each input of a full step but the prompts riding in it.
+    long plain_tokens = 0;
+    for (size_t f = 1; f < plain.forwards.size(); ++f) {
+      if (int(plain.forwards[f].size()) != max_active) continue;
+      for (const auto& tokens : plain.forwards[f]) plain_tokens += tokens.size() == 1;
+    }
+    EXPECT_EQ(plain_full.tokens, plain_tokens) << what;
+    long speculative_tokens = 0;
+    for (const SpeculativeResult& result : speculative_results) speculative_tokens += long(result.tokens.size());
+    EXPECT_GT(timing.full_batch.tokens, timing.full_batch.forwards);  // drafts were accepted
+    EXPECT_LT(timing.full_batch.tokens, speculative_tokens);
+    EXPECT_GT(plain_full.seconds, 0.0);
+    EXPECT_GT(timing.full_batch.seconds, 0.0);
+    EXPECT_LE(timing.full_batch.seconds, timing.decode_seconds);
+  }
+}
+
 TEST(SpeculativeLimits, ContextEndAndEosStopLikePlainDecoding) {
   const Transformer& model = golden("qwen3");
   const int room = 12;

@@ -355,7 +355,7 @@ void run_bench_spec(const BenchSpecFlags& flags) {
   };
   auto mode_json = [&](const Point& point, const TimedDecoding& mode) {
     const SpeculativeStats& stats = mode.stats;
-    return Json{
+    Json json = {
         {"tokens_per_s", mode.tokens_per_s()},
         {"speedup", mode.tokens_per_s() / point.plain.tokens_per_s()},
         {"tau", stats.tau()},
@@ -371,6 +371,13 @@ void run_bench_spec(const BenchSpecFlags& flags) {
         {"acceptance_by_position", stats.acceptance_by_position()},
         {"outputs_matched", mode.matched},
         {"all_outputs_match", mode.matched == long(point.requests)}};
+    // Continuous batching: the same with every place taken in both modes
+    // (FullBatchTiming: what a server sustains at this batch size).
+    if (point.plain.full_batch.forwards > 0 && mode.full_batch.forwards > 0) {
+      json["full_batch_speedup"] = mode.full_batch.tokens_per_s() / point.plain.full_batch.tokens_per_s();
+      json["full_batch_rounds"] = mode.full_batch.forwards;
+    }
+    return json;
   };
   // A point's batch and its plain decoding, in either shape of the output.
   auto point_json = [](const Point& point) {
@@ -380,7 +387,9 @@ void run_bench_spec(const BenchSpecFlags& flags) {
                 {"plain_prefill_ms", 1e3 * point.plain.prefill_seconds},
                 {"plain_steps", point.plain.steps},
                 {"plain_ms_per_step",
-                 1e3 * (point.plain.seconds - point.plain.prefill_seconds) / std::max<long>(point.plain.steps, 1)}};
+                 1e3 * (point.plain.seconds - point.plain.prefill_seconds) / std::max<long>(point.plain.steps, 1)},
+                {"plain_full_batch_steps", point.plain.full_batch.forwards},
+                {"plain_full_batch_tokens_per_s", point.plain.full_batch.tokens_per_s()}};
   };
   if (!flags.plot.empty()) {
     std::vector<PlotSeries> series;
@@ -452,6 +461,9 @@ void run_bench_spec(const BenchSpecFlags& flags) {
     std::printf("\nplain %.1f tokens/s, speculative %.1f tokens/s: %.2fx (ideal %.2fx = tau x t(1)/t(%d) with "
                 "t(%d)/t(1) = %.2f; efficiency %.0f%%)\n",
                 plain_rate, spec_rate, speedup, ideal, gamma + 1, gamma + 1, t_block / t1, 100.0 * speedup / ideal);
+    if (out.contains("full_batch_speedup"))
+      std::printf("with every place taken (%ld of %ld rounds): %.2fx\n", mode.full_batch.forwards, mode.timing.rounds,
+                  out["full_batch_speedup"].get<double>());
     std::printf("outputs identical to plain decoding: %ld of %zu\n", mode.matched, point.requests);
     if (mode.matched != long(point.requests)) print_exactness_note();
     if (!sps_note.empty()) std::printf("SPS profile %s\n", sps_note.c_str());
@@ -477,13 +489,15 @@ void run_bench_spec(const BenchSpecFlags& flags) {
   // Issue 8's two figures for each schedule: its lowest speed-up over plain
   // decoding across the batch sizes run (the goal: >= 0.98 everywhere), and
   // what batch 4 keeps of batch 1's speed-up (the goal: >= 90%; also as a
-  // share of batch 1's gain over plain, (s4 - 1) / (s1 - 1)).
-  out["summary"] = Json::object();
-  for (const std::string& schedule : schedules) {
+  // share of batch 1's gain over plain, (s4 - 1) / (s1 - 1)). Under
+  // continuous batching, also from the full-batch speed-ups ("full_batch").
+  auto summary_of = [&](const std::string& schedule, const char* key) {
     double lowest = std::numeric_limits<double>::infinity(), at_1 = 0.0, at_4 = 0.0;
     int lowest_batch = 0;
     for (const Json& entry : out["points"]) {
-      const double speedup = entry["schedules"][schedule]["speedup"].get<double>();
+      const Json& mode = entry["schedules"][schedule];
+      if (!mode.contains(key)) return Json();
+      const double speedup = mode[key].get<double>();
       const int batch = entry["batch"].get<int>();
       if (speedup < lowest) lowest = speedup, lowest_batch = batch;
       if (batch == 1) at_1 = speedup;
@@ -494,7 +508,13 @@ void run_bench_spec(const BenchSpecFlags& flags) {
       summary["batch4_over_batch1"] = at_4 / at_1;
       if (at_1 > 1.0) summary["batch4_share_of_batch1_gain"] = (at_4 - 1.0) / (at_1 - 1.0);
     }
-    out["summary"][schedule] = summary;
+    return summary;
+  };
+  out["summary"] = Json::object();
+  for (const std::string& schedule : schedules) {
+    out["summary"][schedule] = summary_of(schedule, "speedup");
+    if (Json full = summary_of(schedule, "full_batch_speedup"); !full.is_null())
+      out["summary"][schedule]["full_batch"] = full;
   }
   if (flags.json) {
     std::cout << out.dump() << std::endl;
@@ -503,32 +523,40 @@ void run_bench_spec(const BenchSpecFlags& flags) {
   std::printf("%s, %zu prompts, gamma %d, temperature %.2f, draft %s, %s batching\n",
               out["device"].get<std::string>().c_str(), prompts.size(), gamma, flags.temperature, flags.draft.c_str(),
               flags.continuous ? "continuous" : "static");
-  std::printf("tokens/s (speed-up over plain, tau, tokens verified per round; * = an output differed)\n");
+  std::printf("tokens/s (speed-up over plain%s, tau, tokens verified per round; * = an output differed)\n",
+              flags.continuous ? " [with every place taken]" : "");
   std::printf("batch  requests     plain");
-  for (const std::string& schedule : schedules) std::printf("  %30s", schedule.c_str());
+  for (const std::string& schedule : schedules) std::printf("  %38s", schedule.c_str());
   std::printf("\n");
   for (const Json& entry : out["points"]) {
     std::printf("%5d  %8zu  %8.1f", entry["batch"].get<int>(), entry["requests"].get<size_t>(),
                 entry["plain_tokens_per_s"].get<double>());
     for (const std::string& schedule : schedules) {
       const Json& mode = entry["schedules"][schedule];
-      char cell[64];
-      std::snprintf(cell, sizeof cell, "%.1f (%.2fx, %.2f, %.2f)%s", mode["tokens_per_s"].get<double>(),
-                    mode["speedup"].get<double>(), mode["tau"].get<double>(),
+      char full[32] = "";
+      if (mode.contains("full_batch_speedup"))
+        std::snprintf(full, sizeof full, " [%.2fx]", mode["full_batch_speedup"].get<double>());
+      char cell[96];
+      std::snprintf(cell, sizeof cell, "%.1f (%.2fx%s, %.2f, %.2f)%s", mode["tokens_per_s"].get<double>(),
+                    mode["speedup"].get<double>(), full, mode["tau"].get<double>(),
                     mode["verified_per_round"].get<double>(), mode["all_outputs_match"].get<bool>() ? " " : "*");
-      std::printf("  %30s", cell);
+      std::printf("  %38s", cell);
     }
     std::printf("\n");
   }
-  for (const std::string& schedule : schedules) {
-    const Json& summary = out["summary"][schedule];
-    std::printf("%s: lowest speed-up %.3fx (batch %d)", schedule.c_str(), summary["lowest_speedup"].get<double>(),
+  auto print_summary = [](const std::string& what, const Json& summary) {
+    std::printf("%s: lowest speed-up %.3fx (batch %d)", what.c_str(), summary["lowest_speedup"].get<double>(),
                 summary["lowest_at_batch"].get<int>());
     if (summary.contains("batch4_over_batch1"))
       std::printf("; batch 4 keeps %.0f%% of batch 1's speed-up", 100.0 * summary["batch4_over_batch1"].get<double>());
     if (summary.contains("batch4_share_of_batch1_gain"))
       std::printf(" (%.0f%% of its gain)", 100.0 * summary["batch4_share_of_batch1_gain"].get<double>());
     std::printf("\n");
+  };
+  for (const std::string& schedule : schedules) {
+    const Json& summary = out["summary"][schedule];
+    print_summary(schedule, summary);
+    if (summary.contains("full_batch")) print_summary(schedule + ", every place taken", summary["full_batch"]);
   }
   const bool differed = std::any_of(out["points"].begin(), out["points"].end(), [](const Json& entry) {
     return std::any_of(entry["schedules"].begin(), entry["schedules"].end(),

@@ -72,8 +72,25 @@ std::vector<GenerateResult> generate_batch(Target& target, std::span<const std::
 
   const auto start = Clock::now();
   long forwards = 0;
+  // A step runs from its forward's start to the next one's; one with every
+  // place taken counts in full_batch, with a token for each row not a prompt.
+  FullBatchTiming full_batch;
+  Clock::time_point step_start;
+  long step_tokens = -1;  // the step in flight's tokens if every place is taken, else -1
+  auto end_step = [&](Clock::time_point now) {
+    if (step_tokens < 0) return;
+    ++full_batch.forwards;
+    full_batch.seconds += std::chrono::duration<double>(now - step_start).count();
+    full_batch.tokens += step_tokens;
+  };
   auto forward = [&] {
     ++forwards;
+    const auto now = Clock::now();
+    end_step(now);
+    step_start = now;
+    step_tokens = options.max_active > 0 && inputs.size() == most_active
+                      ? long(std::count(prefixes.begin(), prefixes.end(), false))
+                      : -1;
     for (size_t i = 0; i < inputs.size(); ++i) uniforms[i] = prefixes[i] ? 0.0 : streams[owners[i]].uniform();
     if (!options.sampling.greedy()) request.uniforms = std::span(uniforms).first(inputs.size());
     target.forward(inputs, request, step);
@@ -120,11 +137,14 @@ std::vector<GenerateResult> generate_batch(Target& target, std::span<const std::
     admit(false);
     if (!inputs.empty()) forward();
   }
-  const double decode_seconds = std::chrono::duration<double>(Clock::now() - prefill_done).count();
+  const auto decode_done = Clock::now();
+  end_step(decode_done);
+  const double decode_seconds = std::chrono::duration<double>(decode_done - prefill_done).count();
   for (GenerateResult& result : results) {
     result.prefill_seconds = prefill_seconds;
     result.decode_seconds = decode_seconds;
     result.forwards = forwards;
+    result.full_batch = full_batch;
   }
   return results;
 }

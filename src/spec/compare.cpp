@@ -14,6 +14,7 @@ void timed_plain_decoding(Target& target, std::span<const std::vector<int32_t>> 
   record->seconds += results[0].prefill_seconds + results[0].decode_seconds;  // one clock for the whole batch
   record->prefill_seconds += results[0].prefill_seconds;
   record->steps += results[0].forwards;
+  record->full_batch.add(results[0].full_batch);
   for (GenerateResult& result : results) {
     record->tokens += long(result.tokens.size());
     record->outputs.push_back(std::move(result.tokens));
@@ -30,6 +31,7 @@ void timed_speculative_decoding(Target& target, DraftSource& source, std::span<c
   record->seconds += timing.prefill_seconds + timing.decode_seconds;
   record->prefill_seconds += timing.prefill_seconds;
   record->timing.add(timing);
+  record->full_batch.add(timing.full_batch);
   for (size_t i = 0; i < results.size(); ++i) {
     SpeculativeResult& result = results[i];
     record->tokens += long(result.tokens.size());

@@ -34,6 +34,7 @@ struct TimedDecoding {
   long matched = 0;                           // speculative: outputs identical to the reference
   SpeculativeStats stats;                     // speculative: rounds, drafts, acceptance
   SpeculativeTiming timing;                   // speculative: summed over passes
+  FullBatchTiming full_batch;                 // continuous batching: the forwards with every place taken
   std::vector<std::vector<int32_t>> outputs;  // [requests] generated ids, in order
   std::vector<std::string> stop_reasons;      // [requests]
   double tokens_per_s() const { return seconds > 0 ? tokens / seconds : 0.0; }

@@ -42,6 +42,7 @@ void SpeculativeTiming::add(const SpeculativeTiming& other) {
   accept_seconds += other.accept_seconds;
   undrafted_rounds += other.undrafted_rounds;
   undrafted_seconds += other.undrafted_seconds;
+  full_batch.add(other.full_batch);
 }
 
 uint64_t stream_seed(uint64_t seed, int row, int purpose) {
@@ -161,6 +162,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   std::vector<float> target_probs;
   std::vector<int32_t> order;
   while (true) {
+    const auto iteration_start = Clock::now();  // (a round runs from here to the next one's start)
     admit(false);  // places freed by the last round go to waiting requests
     active.clear();
     limits.clear();
@@ -197,6 +199,8 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     // The scheduler may leave rows undrafted (drafting would not pay): the
     // first `drafting` rows draft, the others take a plain decoding step, their
     // pending token verified alone. Fresh rows have no draft context yet.
+    const bool full_batch = options.max_active > 0 && active.size() == most_active;
+    long round_tokens = 0;
     int admitted_tokens = 0;
     for (size_t i = established; i < active.size(); ++i) admitted_tokens += int(prompts[active[i]].size()) - 1;
     const RoundOutlook outlook{std::span(active).first(established), std::span(remaining).first(established),
@@ -323,6 +327,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
           break;
         }
       }
+      round_tokens += long(emitted.size());
       if (options.trace)
         request.result.trace.push_back({proposal.tokens, proposal.confidence, verdict.accepted, emitted});
       request.pending = verdict.next;
@@ -344,6 +349,11 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       if (drafting == 0 && outlook.admitted == 0) {
         ++timing->undrafted_rounds;
         timing->undrafted_seconds += std::chrono::duration<double>(round_done - round_start).count();
+      }
+      if (full_batch) {
+        ++timing->full_batch.forwards;
+        timing->full_batch.seconds += std::chrono::duration<double>(round_done - iteration_start).count();
+        timing->full_batch.tokens += round_tokens;
       }
     }
   }

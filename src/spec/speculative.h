@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/cpu/sampling.h"
+#include "model/generate.h"
 #include "model/target.h"
 #include "spec/draft_source.h"
 
@@ -74,6 +75,7 @@ struct SpeculativeTiming {
   // step), and their time: what such a round costs beside a plain step.
   long undrafted_rounds = 0;
   double undrafted_seconds = 0.0;
+  FullBatchTiming full_batch;  // under continuous batching, the rounds with every place taken
   void add(const SpeculativeTiming& other);
 };
 
