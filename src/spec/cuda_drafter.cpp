@@ -376,17 +376,33 @@ void CudaDrafter::convert_device_rows() {
     CUDA_CHECK(cudaStreamWaitEvent(producer, device_staged_read_, 0));
     device_staged_read_pending_ = false;
   }
-  const int rows = static_cast<int>(pending_sources_.size());
-  if (pending_table_.size() < size_t(rows)) {
-    CUDA_CHECK(cudaStreamSynchronize(producer));  // the old table may still be read by the last conversion
-    pending_table_.resize(std::max<size_t>(rows, 2 * pending_table_.size()));
+  // The rows as runs of consecutive source rows (an undrafted round's rows
+  // are one run, in the order the forward left them), a launch per kMaxRuns.
+  const int first_pending = device_staged_rows_ - static_cast<int>(pending_sources_.size());
+  cuda::GatherRuns runs;
+  auto launch = [&] {
+    cuda::gather_f32_runs_to_bf16_forward(device_staged_.data(), runs, width_, producer);
+    runs.count = 0;
+  };
+  for (size_t i = 0; i < pending_sources_.size(); ++i) {
+    const float* source = pending_sources_[i];
+    if (!source) continue;
+    const int output_row = first_pending + static_cast<int>(i);
+    if (runs.count > 0) {
+      const int last = runs.count - 1, length = runs.first_block[runs.count] - runs.first_block[last];
+      if (source == runs.sources[last] + long(length) * width_ && output_row == runs.output_row[last] + length) {
+        ++runs.first_block[runs.count];
+        continue;
+      }
+      if (runs.count == cuda::GatherRuns::kMaxRuns) launch();
+    }
+    const int first_block = runs.rows();
+    runs.sources[runs.count] = source;
+    runs.output_row[runs.count] = output_row;
+    runs.first_block[runs.count] = first_block;
+    runs.first_block[++runs.count] = first_block + 1;
   }
-  // From pageable memory: the call returns once the table is staged, so the
-  // host vector can be reused at once.
-  CUDA_CHECK(cudaMemcpyAsync(pending_table_.data(), pending_sources_.data(), rows * sizeof(const float*),
-                             cudaMemcpyHostToDevice, producer));
-  cuda::gather_f32_to_bf16_forward(device_staged_.data() + long(device_staged_rows_ - rows) * width_,
-                                   pending_table_.data(), rows, width_, producer);
+  launch();
   pending_sources_.clear();
 }
 

@@ -27,12 +27,11 @@
 // finish_device_rows(); a request left undrafted for 63 rounds, a prefill's
 // rows) are converted first, together, into one device staging area shared
 // by all contexts (convert_device_rows(): one launch on the target's stream,
-// after the forwards that wrote them and before any later forward overwrites
-// them). The pass (on the drafter's stream) waits on one event recorded on
-// the target's stream, and the first conversion after a pass that read the
-// staging area waits on one recorded after it. Either way a row's bf16 bits
-// are the same, so the retained context is too. Each pass size (rows padded
-// to a power of two) runs as one captured CUDA graph after its first use.
+// its rows passed by value as runs of consecutive rows, after the forwards
+// that wrote them and before any later forward overwrites them). The pass (on the drafter's stream) waits on one event
+// recorded on the target's stream, and the first conversion after a pass that read the staging area waits on one
+// recorded after it. Either way a row's bf16 bits are the same, so the retained context is too. Each pass size (rows
+// padded to a power of two) runs as one captured CUDA graph after its first use.
 //
 // One draft step for B requests: the host packs the step's metadata (anchors,
 // context pointers and lengths, pruning settings, sampling parameters and
@@ -286,8 +285,7 @@ class CudaDrafter {
   // Device rows accepted but not yet converted (the last pending_sources_.size()
   // rows of device_staged_): one gather-convert launch for all of them.
   std::vector<const float*> pending_sources_;
-  long pending_serial_ = -1;  // the device_taps_serial of the oldest of them (-1: not yet told)
-  cuda::DeviceBuffer<const float*> pending_table_;
+  long pending_serial_ = -1;      // the device_taps_serial of the oldest of them (-1: not yet told)
   std::vector<int> flushed_ids_;  // flush_contexts_of's requests' contexts, sorted (kept to reuse its storage)
   std::vector<ExtensionRow> extension_rows_;  // flush_contexts_of's rows (likewise)
 

@@ -1126,6 +1126,7 @@ TEST_P(CudaDrafting, ExtendFromDeviceRowsStoresWhatHostRowsStore) {
   both(5, 3, false);  // a pass with host and device rows of one context
   expect_equal(8, "prefill");
   both(8, 4, true);
+  gpu_->convert_device_rows();  // (as before a forward that would overwrite them: read from the staging area)
   both(12, 2, false);
   truncate(13);  // drops staged rows: one host row of `mixed`, device rows of `device`
   EXPECT_EQ(gpu_->context_length(device), 13);
@@ -1143,6 +1144,11 @@ TEST_P(CudaDrafting, ExtendFromDeviceRowsStoresWhatHostRowsStore) {
   // device staging area, which itself grows past its first 256 rows.
   for (int i = 0; i < 20; ++i) both(0, 16, i % 3 != 0);
   expect_equal(16 + 20 * 16, "grown");
+  // Converted before a pass reads them: single rows from scattered sources,
+  // more runs of consecutive rows than one conversion launch takes.
+  for (int i = 0; i < 70; ++i) both((i * 5) % 16, 1, true);
+  gpu_->convert_device_rows();
+  expect_equal(16 + 20 * 16 + 70, "converted in runs");
   // A draft projects only its requests' contexts: the others' rows stay
   // staged (device rows among them, while more arrive) and land the same.
   DraftOptions options;
@@ -1154,7 +1160,7 @@ TEST_P(CudaDrafting, ExtendFromDeviceRowsStoresWhatHostRowsStore) {
   both(4, 3, true);
   gpu_->draft({&device_only, 1}, options, results);
   both(7, 2, false);
-  expect_equal(16 + 20 * 16 + 9, "one context drafting while the others stay staged");
+  expect_equal(16 + 20 * 16 + 70 + 9, "one context drafting while the others stay staged");
   // Drafts from the three contexts are the same too.
   const CudaDraftRequest requests[] = {
       {host, tokens_[3], nullptr}, {device, tokens_[3], nullptr}, {mixed, tokens_[3], nullptr}};

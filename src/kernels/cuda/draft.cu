@@ -110,12 +110,15 @@ __global__ void f32_to_bf16_kernel(uint16_t* out, const float* in, long count) {
     out[i] = bf16_bits(in[i]);
 }
 
-__global__ void gather_f32_to_bf16_kernel(uint16_t* out, const float* const* sources, int width) {
+__global__ void gather_f32_runs_to_bf16_kernel(uint16_t* out, const GatherRuns runs, int width) {
   wait_for_previous_kernel();
   start_next_kernel();
-  const float* source = sources[blockIdx.x];
-  if (!source) return;
-  uint16_t* row = out + static_cast<long>(blockIdx.x) * width;
+  const int block = blockIdx.x;
+  int run = 0;
+  while (block >= runs.first_block[run + 1]) ++run;
+  const int offset = block - runs.first_block[run];
+  const float* source = runs.sources[run] + static_cast<long>(offset) * width;
+  uint16_t* row = out + static_cast<long>(runs.output_row[run] + offset) * width;
   for (int i = threadIdx.x; i < width; i += kThreads) row[i] = bf16_bits(source[i]);
 }
 
@@ -150,10 +153,11 @@ void f32_to_bf16_forward(bf16* out, const float* in, long count, cudaStream_t st
   CUDA_CHECK_LAUNCH();
 }
 
-void gather_f32_to_bf16_forward(bf16* out, const float* const* sources, int rows, int width, cudaStream_t stream) {
-  if (rows <= 0) return;
-  launch_dependent(gather_f32_to_bf16_kernel, rows, kThreads, 0, stream, reinterpret_cast<uint16_t*>(out), sources,
-                   width);
+void gather_f32_runs_to_bf16_forward(bf16* out, const GatherRuns& runs, int width, cudaStream_t stream) {
+  DSPARK_CHECK(runs.count >= 0 && runs.count <= GatherRuns::kMaxRuns, "gather: ", runs.count, " runs");
+  if (runs.rows() <= 0) return;
+  launch_dependent(gather_f32_runs_to_bf16_kernel, runs.rows(), kThreads, 0, stream, reinterpret_cast<uint16_t*>(out),
+                   runs, width);
   CUDA_CHECK_LAUNCH();
 }
 

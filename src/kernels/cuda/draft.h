@@ -201,13 +201,23 @@ void scatter_rows_forward(__nv_bfloat16* const* destinations, const __nv_bfloat1
 // taps converted here equal those converted on the host.
 void f32_to_bf16_forward(__nv_bfloat16* out, const float* in, long count, cudaStream_t stream);
 
-// out row i (width values) = bf16(sources[i][0 .. width)) for `rows` rows,
+// Runs of tap rows to convert: run i is rows [first_block[i], first_block[i + 1])
+// of the launch, output rows output_row[i] onward from sources[i] onward
+// (consecutive rows `width` apart in both). Passed by value, so a conversion
+// uploads no table (a pageable copy each admitting round at batch 64).
+struct GatherRuns {
+  static constexpr int kMaxRuns = 64;
+  const float* sources[kMaxRuns];
+  int output_row[kMaxRuns];
+  int first_block[kMaxRuns + 1];
+  int count = 0;  // runs
+  int rows() const { return count ? first_block[count] : 0; }
+};
+
+// out's rows (width values each) of every run = bf16 of its source rows,
 // rounded as f32_to_bf16_forward: a round's accepted tap rows, wherever the
-// target's forward left them, into consecutive staging rows with one launch.
-// `sources` is a device array of device pointers; a null one leaves its row
-// as it was (a row a pass has already read where the forward left it).
-void gather_f32_to_bf16_forward(__nv_bfloat16* out, const float* const* sources, int rows, int width,
-                                cudaStream_t stream);
+// target's forward left them, into staging rows with one launch.
+void gather_f32_runs_to_bf16_forward(__nv_bfloat16* out, const GatherRuns& runs, int width, cudaStream_t stream);
 
 // Where row i of one context-extension pass comes from: a row the host
 // already copied there (Keep), zeros (Zero: padding), a row staged as bf16
