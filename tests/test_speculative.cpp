@@ -6,12 +6,13 @@
 
 #include <cmath>
 #include <map>
+#include <set>
 #include <tuple>
 
 #include "golden.h"
-#include "random_drafter.h"
 #include "model/cpu_target.h"
 #include "model/generate.h"
+#include "random_drafter.h"
 #include "spec/acceptance.h"
 #include "spec/dspark_source.h"
 #include "spec/ngram_source.h"
@@ -350,6 +351,57 @@ TEST_F(ContinuousBatching, FullBatchTimingCountsTheForwardsWithEveryPlaceTaken) 
     EXPECT_GT(timing.full_batch.seconds, 0.0);
     EXPECT_LE(timing.full_batch.seconds, timing.decode_seconds);
   }
+}
+
+// A target that, as the CUDA target does with its captured shapes, counts a
+// warm-up run for each forward of a token count it has not run before.
+class WarmingTarget : public RecordingTarget {
+ public:
+  using RecordingTarget::RecordingTarget;
+  long warm_up_runs() const override { return long(seen_.size()); }
+  void forward(std::span<const TargetInput> inputs, const TargetRequest& request, TargetResult& result) override {
+    size_t tokens = 0;
+    for (const TargetInput& input : inputs) tokens += input.tokens.size();
+    seen_.insert(tokens);
+    RecordingTarget::forward(inputs, request, result);
+  }
+
+ private:
+  std::set<size_t> seen_;
+};
+
+// Both modes count the steps or rounds whose forward ran a new shape, and their time.
+TEST_F(ContinuousBatching, WarmUpRoundsAreThoseThatRanANewShape) {
+  const Drafter drafter = random_drafter(model.config, "markov", 4, 23, 3.0f);
+  DSparkSource source(drafter, target_head_of(model));
+  GenerateOptions plain_options;
+  plain_options.max_new_tokens = 6;
+  plain_options.max_active = 2;
+  SpeculativeOptions speculative_options;
+  speculative_options.max_new_tokens = 6;
+  speculative_options.gamma = 4;
+  speculative_options.max_active = 2;
+  WarmingTarget plain(target), speculative(target);
+  const std::vector<GenerateResult> plain_results = generate_batch(plain, prompts, plain_options);
+  SpeculativeTiming timing;
+  speculative_generate(speculative, source, prompts, speculative_options, &timing);
+  // New token counts among the forwards after the prefill (forward 0).
+  auto new_shapes = [](const RecordingTarget& recorded) {
+    std::set<size_t> seen;
+    long count = 0;
+    for (size_t f = 0; f < recorded.forwards.size(); ++f) {
+      size_t tokens = 0;
+      for (const auto& input : recorded.forwards[f]) tokens += input.size();
+      count += seen.insert(tokens).second && f > 0;
+    }
+    return count;
+  };
+  EXPECT_EQ(plain_results[0].warm_up_forwards, new_shapes(plain));
+  EXPECT_EQ(timing.warm_up_rounds, new_shapes(speculative));
+  EXPECT_GT(timing.warm_up_rounds, 0);
+  EXPECT_LT(timing.warm_up_rounds, timing.rounds);
+  EXPECT_GT(timing.warm_up_seconds, 0.0);
+  EXPECT_LE(timing.warm_up_seconds, timing.decode_seconds);
 }
 
 TEST(SpeculativeLimits, ContextEndAndEosStopLikePlainDecoding) {

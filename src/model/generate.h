@@ -49,6 +49,10 @@ struct GenerateResult {
   double decode_seconds = 0.0;   // everything after it, later admissions' prompts included
   long forwards = 0;             // decode steps the whole batch ran (the prefill not counted)
   FullBatchTiming full_batch;    // the whole batch's steps with every place taken
+  // The whole batch's steps that ran a shape for one of its first times
+  // (Target::warm_up_runs moved: run eagerly, captured), and their time.
+  long warm_up_forwards = 0;
+  double warm_up_seconds = 0.0;
 };
 
 // Throws if the prompt is empty or does not leave room for one new token in

@@ -43,6 +43,8 @@ void SpeculativeTiming::add(const SpeculativeTiming& other) {
   undrafted_rounds += other.undrafted_rounds;
   undrafted_seconds += other.undrafted_seconds;
   full_batch.add(other.full_batch);
+  warm_up_rounds += other.warm_up_rounds;
+  warm_up_seconds += other.warm_up_seconds;
 }
 
 uint64_t stream_seed(uint64_t seed, int row, int purpose) {
@@ -333,12 +335,12 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       request.pending = verdict.next;
     }
     source.finish_accepts(step);  // before the next forward may overwrite the taps
+    const bool warming_up = target.warm_up_runs() + source.warm_up_runs() != warm_ups;
     // Round times steer the scheduler only at temperature 0: when sampling,
     // its decisions choose which random numbers are drawn, and a seeded run
     // must repeat exactly, which a clock cannot.
     if (options.scheduler && options.sampling.greedy())
-      options.scheduler->observe_round(std::chrono::duration<double>(Clock::now() - round_start).count(),
-                                       target.warm_up_runs() + source.warm_up_runs() != warm_ups);
+      options.scheduler->observe_round(std::chrono::duration<double>(Clock::now() - round_start).count(), warming_up);
     retire_done();
     if (timing) {
       ++timing->rounds;
@@ -350,11 +352,13 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
         ++timing->undrafted_rounds;
         timing->undrafted_seconds += std::chrono::duration<double>(round_done - round_start).count();
       }
+      const double iteration_seconds = std::chrono::duration<double>(round_done - iteration_start).count();
       if (full_batch) {
         ++timing->full_batch.forwards;
-        timing->full_batch.seconds += std::chrono::duration<double>(round_done - iteration_start).count();
+        timing->full_batch.seconds += iteration_seconds;
         timing->full_batch.tokens += round_tokens;
       }
+      if (warming_up) ++timing->warm_up_rounds, timing->warm_up_seconds += iteration_seconds;
     }
   }
   if (timing) {

@@ -76,6 +76,10 @@ struct SpeculativeTiming {
   long undrafted_rounds = 0;
   double undrafted_seconds = 0.0;
   FullBatchTiming full_batch;  // under continuous batching, the rounds with every place taken
+  // Rounds where the target or the source ran a shape for one of its first
+  // times (warm_up_runs moved: run eagerly, captured), and their time.
+  long warm_up_rounds = 0;
+  double warm_up_seconds = 0.0;
   void add(const SpeculativeTiming& other);
 };
 
