@@ -198,11 +198,11 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       if (!retire_done()) break;
       continue;  // their places go to waiting requests
     }
+    const bool full_batch = options.max_active > 0 && active.size() == most_active;  // (FullBatchTiming)
+    long round_tokens = 0;                                                           // emitted this round
     // The scheduler may leave rows undrafted (drafting would not pay): the
     // first `drafting` rows draft, the others take a plain decoding step, their
     // pending token verified alone. Fresh rows have no draft context yet.
-    const bool full_batch = options.max_active > 0 && active.size() == most_active;
-    long round_tokens = 0;
     int admitted_tokens = 0;
     for (size_t i = established; i < active.size(); ++i) admitted_tokens += int(prompts[active[i]].size()) - 1;
     const RoundOutlook outlook{std::span(active).first(established), std::span(remaining).first(established),
