@@ -301,7 +301,7 @@ TEST_F(ContinuousBatching, PlainAndSpeculativeDecodingTakeAPromptInTheSameForwar
 // carries max_active requests (a prompt riding in it included), with the
 // tokens it generated; the prefill and the tail's forwards do not count, and
 // without max_active nothing does.
-TEST_F(ContinuousBatching, FullBatchTimingCountsTheForwardsWithEveryPlaceTaken) {
+TEST_F(ContinuousBatching, FullBatchCountsTheForwardsWithEveryPlaceTaken) {
   const Drafter drafter = random_drafter(model.config, "markov", 4, 23, 3.0f);
   DSparkSource source(drafter, target_head_of(model));
   ASSERT_GE(prompts.size(), 3u);
@@ -326,7 +326,7 @@ TEST_F(ContinuousBatching, FullBatchTimingCountsTheForwardsWithEveryPlaceTaken) 
       return std::count_if(recorded.forwards.begin() + 1, recorded.forwards.end(),
                            [&](const auto& inputs) { return int(inputs.size()) == max_active; });
     };
-    const FullBatchTiming& plain_full = plain_results[0].full_batch;
+    const StepTally& plain_full = plain_results[0].full_batch;
     if (max_active == 0) {
       EXPECT_EQ(plain_full.forwards, 0);
       EXPECT_EQ(timing.full_batch.forwards, 0);
@@ -396,12 +396,12 @@ TEST_F(ContinuousBatching, WarmUpRoundsAreThoseThatRanANewShape) {
     }
     return count;
   };
-  EXPECT_EQ(plain_results[0].warm_up_forwards, new_shapes(plain));
-  EXPECT_EQ(timing.warm_up_rounds, new_shapes(speculative));
-  EXPECT_GT(timing.warm_up_rounds, 0);
-  EXPECT_LT(timing.warm_up_rounds, timing.rounds);
-  EXPECT_GT(timing.warm_up_seconds, 0.0);
-  EXPECT_LE(timing.warm_up_seconds, timing.decode_seconds);
+  EXPECT_EQ(plain_results[0].warm_ups.forwards, new_shapes(plain));
+  EXPECT_EQ(timing.warm_ups.forwards, new_shapes(speculative));
+  EXPECT_GT(timing.warm_ups.forwards, 0);
+  EXPECT_LT(timing.warm_ups.forwards, timing.rounds);
+  EXPECT_GT(timing.warm_ups.seconds, 0.0);
+  EXPECT_LE(timing.warm_ups.seconds, timing.decode_seconds);
 }
 
 TEST(SpeculativeLimits, ContextEndAndEosStopLikePlainDecoding) {

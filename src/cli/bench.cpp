@@ -366,15 +366,15 @@ void run_bench_spec(const BenchSpecFlags& flags) {
         {"prefill_ms", 1e3 * mode.prefill_seconds},
         {"batch_rounds", mode.timing.rounds},
         {"ms_per_batch_round", round_phases(mode.timing)},
-        {"warm_up_rounds", mode.warm_up_forwards},
-        {"ms_in_warm_up_rounds", 1e3 * mode.warm_up_seconds},
+        {"warm_up_rounds", mode.warm_ups.forwards},
+        {"ms_in_warm_up_rounds", 1e3 * mode.warm_ups.seconds},
         {"ms_per_undrafted_round",
          mode.timing.undrafted_rounds ? 1e3 * mode.timing.undrafted_seconds / mode.timing.undrafted_rounds : 0.0},
         {"acceptance_by_position", stats.acceptance_by_position()},
         {"outputs_matched", mode.matched},
         {"all_outputs_match", mode.matched == long(point.requests)}};
     // Continuous batching: the same with every place taken in both modes
-    // (FullBatchTiming: what a server sustains at this batch size).
+    // (GenerateResult::full_batch: what a server sustains at this batch size).
     if (point.plain.full_batch.forwards > 0 && mode.full_batch.forwards > 0) {
       json["full_batch_speedup"] = mode.full_batch.tokens_per_s() / point.plain.full_batch.tokens_per_s();
       json["full_batch_rounds"] = mode.full_batch.forwards;
@@ -390,8 +390,8 @@ void run_bench_spec(const BenchSpecFlags& flags) {
                 {"plain_steps", point.plain.steps},
                 {"plain_ms_per_step",
                  1e3 * (point.plain.seconds - point.plain.prefill_seconds) / std::max<long>(point.plain.steps, 1)},
-                {"plain_warm_up_steps", point.plain.warm_up_forwards},
-                {"plain_ms_in_warm_up_steps", 1e3 * point.plain.warm_up_seconds},
+                {"plain_warm_up_steps", point.plain.warm_ups.forwards},
+                {"plain_ms_in_warm_up_steps", 1e3 * point.plain.warm_ups.seconds},
                 {"plain_full_batch_steps", point.plain.full_batch.forwards},
                 {"plain_full_batch_tokens_per_s", point.plain.full_batch.tokens_per_s()}};
   };

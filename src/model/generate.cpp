@@ -74,29 +74,25 @@ std::vector<GenerateResult> generate_batch(Target& target, std::span<const std::
   long forwards = 0;
   // A step runs from its forward's start to the next one's; one with every
   // place taken counts in full_batch, with a token for each row not a prompt.
-  FullBatchTiming full_batch;
-  long warm_up_forwards = 0;
-  double warm_up_seconds = 0.0;
+  StepTally full_batch, warm_ups;
   Clock::time_point step_start;
-  long step_tokens = -1;  // the step in flight's tokens if every place is taken, else -1
-  long warm_ups = -1;     // the target's warm_up_runs() before the step in flight (-1: none in flight)
+  long step_tokens = -1;   // the step in flight's tokens (-1: none in flight)
+  bool step_full = false;  // ... whether every place is taken in it
+  long step_warm_ups = 0;  // ... and the target's warm_up_runs() before it
   auto end_step = [&](Clock::time_point now) {
-    const double seconds = std::chrono::duration<double>(now - step_start).count();
-    if (warm_ups >= 0 && target.warm_up_runs() != warm_ups) ++warm_up_forwards, warm_up_seconds += seconds;
     if (step_tokens < 0) return;
-    ++full_batch.forwards;
-    full_batch.seconds += seconds;
-    full_batch.tokens += step_tokens;
+    const double seconds = std::chrono::duration<double>(now - step_start).count();
+    if (target.warm_up_runs() != step_warm_ups) warm_ups.add_step(seconds, step_tokens);
+    if (step_full) full_batch.add_step(seconds, step_tokens);
   };
   auto forward = [&] {
     ++forwards;
     const auto now = Clock::now();
     end_step(now);
     step_start = now;
-    warm_ups = target.warm_up_runs();
-    step_tokens = options.max_active > 0 && inputs.size() == most_active
-                      ? long(std::count(prefixes.begin(), prefixes.end(), false))
-                      : -1;
+    step_warm_ups = target.warm_up_runs();
+    step_tokens = long(std::count(prefixes.begin(), prefixes.end(), false));
+    step_full = options.max_active > 0 && inputs.size() == most_active;
     for (size_t i = 0; i < inputs.size(); ++i) uniforms[i] = prefixes[i] ? 0.0 : streams[owners[i]].uniform();
     if (!options.sampling.greedy()) request.uniforms = std::span(uniforms).first(inputs.size());
     target.forward(inputs, request, step);
@@ -151,8 +147,7 @@ std::vector<GenerateResult> generate_batch(Target& target, std::span<const std::
     result.decode_seconds = decode_seconds;
     result.forwards = forwards;
     result.full_batch = full_batch;
-    result.warm_up_forwards = warm_up_forwards;
-    result.warm_up_seconds = warm_up_seconds;
+    result.warm_ups = warm_ups;
   }
   return results;
 }

@@ -25,21 +25,16 @@ struct GenerateOptions {
   int max_active = 0;
 };
 
-// Under continuous batching (max_active > 0), the forwards a batch ran with
-// every place taken (max_active requests in flight, one admitted that step
-// counted): what a server sustains at that batch size while requests wait.
-// The rest is the tail, where the last requests finish with places left
-// empty; its length is set by how far apart the last requests end (plain
-// decoding's requests of one length end together, speculative decoding's
-// spread out with their acceptance), not by a step's speed at the batch size.
-struct FullBatchTiming {
-  long forwards = 0;     // plain steps or speculative rounds
-  double seconds = 0.0;  // each from its start to the next one's (its admissions and bookkeeping included)
-  long tokens = 0;       // the tokens they generated
+// Some of a decode loop's steps (plain) or rounds (speculative), each timed
+// from its start to the next one's (its admissions and bookkeeping
+// included), and the tokens they generated.
+struct StepTally {
+  long forwards = 0;
+  double seconds = 0.0;
+  long tokens = 0;
   double tokens_per_s() const { return seconds > 0 ? tokens / seconds : 0.0; }
-  void add(const FullBatchTiming& other) {
-    forwards += other.forwards, seconds += other.seconds, tokens += other.tokens;
-  }
+  void add_step(double step_seconds, long step_tokens) { ++forwards, seconds += step_seconds, tokens += step_tokens; }
+  void add(const StepTally& other) { forwards += other.forwards, seconds += other.seconds, tokens += other.tokens; }
 };
 
 struct GenerateResult {
@@ -48,11 +43,17 @@ struct GenerateResult {
   double prefill_seconds = 0.0;  // the prefill of the prompts admitted at once (all their tokens but the last)
   double decode_seconds = 0.0;   // everything after it, later admissions' prompts included
   long forwards = 0;             // decode steps the whole batch ran (the prefill not counted)
-  FullBatchTiming full_batch;    // the whole batch's steps with every place taken
+  // The whole batch's steps, under continuous batching (max_active > 0),
+  // with every place taken (max_active requests in flight, one admitted that
+  // step counted): what a server sustains at that batch size while requests
+  // wait. The rest is the tail, where the last requests finish with places
+  // left empty; its length is set by how far apart the last requests end
+  // (plain decoding's requests of one length end together, speculative
+  // decoding's spread out with their acceptance), not by a step's speed.
+  StepTally full_batch;
   // The whole batch's steps that ran a shape for one of its first times
-  // (Target::warm_up_runs moved: run eagerly, captured), and their time.
-  long warm_up_forwards = 0;
-  double warm_up_seconds = 0.0;
+  // (Target::warm_up_runs moved: run eagerly, captured).
+  StepTally warm_ups;
 };
 
 // Throws if the prompt is empty or does not leave room for one new token in

@@ -15,8 +15,7 @@ void timed_plain_decoding(Target& target, std::span<const std::vector<int32_t>> 
   record->prefill_seconds += results[0].prefill_seconds;
   record->steps += results[0].forwards;
   record->full_batch.add(results[0].full_batch);
-  record->warm_up_forwards += results[0].warm_up_forwards;
-  record->warm_up_seconds += results[0].warm_up_seconds;
+  record->warm_ups.add(results[0].warm_ups);
   for (GenerateResult& result : results) {
     record->tokens += long(result.tokens.size());
     record->outputs.push_back(std::move(result.tokens));
@@ -34,8 +33,7 @@ void timed_speculative_decoding(Target& target, DraftSource& source, std::span<c
   record->prefill_seconds += timing.prefill_seconds;
   record->timing.add(timing);
   record->full_batch.add(timing.full_batch);
-  record->warm_up_forwards += timing.warm_up_rounds;
-  record->warm_up_seconds += timing.warm_up_seconds;
+  record->warm_ups.add(timing.warm_ups);
   for (size_t i = 0; i < results.size(); ++i) {
     SpeculativeResult& result = results[i];
     record->tokens += long(result.tokens.size());

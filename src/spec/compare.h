@@ -34,9 +34,8 @@ struct TimedDecoding {
   long matched = 0;                           // speculative: outputs identical to the reference
   SpeculativeStats stats;                     // speculative: rounds, drafts, acceptance
   SpeculativeTiming timing;                   // speculative: summed over passes
-  FullBatchTiming full_batch;                 // continuous batching: the forwards with every place taken
-  long warm_up_forwards = 0;                  // steps or rounds that ran a shape for one of its first times
-  double warm_up_seconds = 0.0;               // ... and their time
+  StepTally full_batch;                       // continuous batching: the forwards with every place taken
+  StepTally warm_ups;                         // steps or rounds that ran a shape for one of its first times
   std::vector<std::vector<int32_t>> outputs;  // [requests] generated ids, in order
   std::vector<std::string> stop_reasons;      // [requests]
   double tokens_per_s() const { return seconds > 0 ? tokens / seconds : 0.0; }

@@ -28,10 +28,12 @@
 // rows) are converted first, together, into one device staging area shared
 // by all contexts (convert_device_rows(): one launch on the target's stream,
 // its rows passed by value as runs of consecutive rows, after the forwards
-// that wrote them and before any later forward overwrites them). The pass (on the drafter's stream) waits on one event
-// recorded on the target's stream, and the first conversion after a pass that read the staging area waits on one
-// recorded after it. Either way a row's bf16 bits are the same, so the retained context is too. Each pass size (rows
-// padded to a power of two) runs as one captured CUDA graph after its first use.
+// that wrote them and before any later forward overwrites them). The pass
+// (on the drafter's stream) waits on one event recorded on the target's
+// stream, and the first conversion after a pass that read the staging area
+// waits on one recorded after it. Either way a row's bf16 bits are the same,
+// so the retained context is too. Each pass size (rows padded to a power of
+// two) runs as one captured CUDA graph after its first use.
 //
 // One draft step for B requests: the host packs the step's metadata (anchors,
 // context pointers and lengths, pruning settings, sampling parameters and

@@ -43,8 +43,7 @@ void SpeculativeTiming::add(const SpeculativeTiming& other) {
   undrafted_rounds += other.undrafted_rounds;
   undrafted_seconds += other.undrafted_seconds;
   full_batch.add(other.full_batch);
-  warm_up_rounds += other.warm_up_rounds;
-  warm_up_seconds += other.warm_up_seconds;
+  warm_ups.add(other.warm_ups);
 }
 
 uint64_t stream_seed(uint64_t seed, int row, int purpose) {
@@ -198,7 +197,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       if (!retire_done()) break;
       continue;  // their places go to waiting requests
     }
-    const bool full_batch = options.max_active > 0 && active.size() == most_active;  // (FullBatchTiming)
+    const bool full_batch = options.max_active > 0 && active.size() == most_active;  // (SpeculativeTiming)
     long round_tokens = 0;                                                           // emitted this round
     // The scheduler may leave rows undrafted (drafting would not pay): the
     // first `drafting` rows draft, the others take a plain decoding step, their
@@ -353,12 +352,8 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
         timing->undrafted_seconds += std::chrono::duration<double>(round_done - round_start).count();
       }
       const double iteration_seconds = std::chrono::duration<double>(round_done - iteration_start).count();
-      if (full_batch) {
-        ++timing->full_batch.forwards;
-        timing->full_batch.seconds += iteration_seconds;
-        timing->full_batch.tokens += round_tokens;
-      }
-      if (warming_up) ++timing->warm_up_rounds, timing->warm_up_seconds += iteration_seconds;
+      if (full_batch) timing->full_batch.add_step(iteration_seconds, round_tokens);
+      if (warming_up) timing->warm_ups.add_step(iteration_seconds, round_tokens);
     }
   }
   if (timing) {

@@ -75,11 +75,10 @@ struct SpeculativeTiming {
   // step), and their time: what such a round costs beside a plain step.
   long undrafted_rounds = 0;
   double undrafted_seconds = 0.0;
-  FullBatchTiming full_batch;  // under continuous batching, the rounds with every place taken
+  StepTally full_batch;  // under continuous batching, the rounds with every place taken (GenerateResult)
   // Rounds where the target or the source ran a shape for one of its first
-  // times (warm_up_runs moved: run eagerly, captured), and their time.
-  long warm_up_rounds = 0;
-  double warm_up_seconds = 0.0;
+  // times (warm_up_runs moved: run eagerly, captured).
+  StepTally warm_ups;
   void add(const SpeculativeTiming& other);
 };
 
