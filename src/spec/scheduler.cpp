@@ -35,6 +35,17 @@ constexpr double kAdmittingWeight = 1.0 / 16;  // ... and the share of drafted r
 constexpr double kSurvivalWeight = 1.0 / 16;   // each drafted round moves a position's mean survival this far
 constexpr long kFullDraftEvery = 16;           // draft_length(): one drafted round in this many drafts γ
 constexpr double kOneOffRatio = 4.0;  // observe_round ignores rounds that took longer than this x their prediction
+// The rates delivered (scheduler.h): the sums decay by 1/kDeliveredMemory a
+// row (a round of R rows, R times); a kind of round is known after
+// kKnownRounds, drafted ones also after kKnownDraftedRows rows; a trial runs
+// kTrialRounds once the kind not in use has not run for kTrialRounds x |1 -
+// the rates' ratio| / kTrialCost rounds, within [kMinTrialEvery, kMaxTrialEvery].
+constexpr double kDeliveredMemory = 512;
+constexpr long kKnownRounds = 12;
+constexpr double kKnownDraftedRows = 64;
+constexpr int kTrialRounds = 16;
+constexpr double kTrialCost = 1.0 / 128;
+constexpr int kMinTrialEvery = 256, kMaxTrialEvery = 2048;
 
 namespace {
 
@@ -641,13 +652,54 @@ int PrefixScheduler::rows_to_draft(const RoundOutlook& outlook) {
   // (Requests admitted this round count: under continuous batching a wave of
   // rows that finish together is replaced at once, not a smaller batch.)
   enter_gate(rows + outlook.admitted);
-  if (!draft_cost_ || gate_->gain.value >= 1.0) return rows;
-  if (gate_->undrafted_left > 0) {
+  const bool after_all_drafted = std::exchange(all_drafted_, false);
+  if (!draft_cost_) return rows;
+  int drafting = 0;
+  if (std::optional<int> delivered = counts_tokens_ && rows > 0 ? delivered_decision(rows) : std::nullopt) {
+    drafting = *delivered;
+  } else if (gate_->gain.value >= 1.0) {
+    drafting = rows;
+  } else if (gate_->undrafted_left > 0) {
     --gate_->undrafted_left;
-    return 0;
+  } else {
+    probing_ = rows > 1;
+    drafting = std::min(rows, 1);  // the probe: one row drafts, to look again
   }
+  // What the round counts to (scheduler.h: the rates delivered).
+  all_drafted_ = rows > 0 && drafting == rows;
+  delivered_ = rows == 0 || probing_               ? nullptr
+               : drafting == 0                     ? &gate_->undrafted
+               : all_drafted_ && after_all_drafted ? &gate_->drafted
+                                                   : nullptr;
+  return drafting;
+}
+
+std::optional<int> PrefixScheduler::delivered_decision(int rows) {
+  Gate& gate = *gate_;
+  ++gate.rounds;
+  if (gate.trial_left > 0) return --gate.trial_left, gate.trial_drafts ? rows : 0;
+  const auto trial = [&](bool drafts) {
+    gate.trial_left = kTrialRounds - 1, gate.trial_drafts = drafts, gate.last_trial = gate.rounds;
+    if (gate_log())
+      std::fprintf(stderr, "gate R %d: a trial of %d %s rounds (delivered %.1f / %.1f tokens/ms, estimate %.3f)\n",
+                   gate_key_.first, kTrialRounds, drafts ? "drafted" : "undrafted", 1e-3 * gate.drafted.rate(),
+                   gate.undrafted.count ? 1e-3 * gate.undrafted.rate() : 0.0, gate.gain.value);
+    return drafts ? rows : 0;
+  };
+  // Drafting is first measured where the estimate drafts.
+  if (gate.drafted.count < kKnownRounds || gate.drafted.rows < kKnownDraftedRows) return std::nullopt;
+  if (gate.undrafted.count < kKnownRounds) return trial(false);
+  const double ratio = gate.drafted.rate() / gate.undrafted.rate();
+  const bool draft = ratio >= 1.0;
+  const long every = std::clamp(std::lround(kTrialRounds * std::abs(ratio - 1.0) / kTrialCost), long(kMinTrialEvery),
+                                long(kMaxTrialEvery));
+  const long unused_since = std::max((draft ? gate.undrafted : gate.drafted).last_round, gate.last_trial);
+  if (gate.rounds - unused_since <= every) return draft ? rows : 0;
+  if (draft || gate.gain.value >= kNearMiss) return trial(!draft);
+  // Where the estimate rules drafting out, a probe in its place brings the estimate up to date.
+  gate.last_trial = gate.rounds;
   probing_ = rows > 1;
-  return std::min(rows, 1);  // the probe: one row drafts, to look again
+  return std::min(rows, 1);
 }
 
 int PrefixScheduler::draft_length(int gamma) {
@@ -696,6 +748,15 @@ void PrefixScheduler::SmoothedRatio::add(double ratio, double weight) {
   measured = true;
 }
 
+void PrefixScheduler::Delivered::add(long round_tokens, double round_seconds, int round_rows, long round) {
+  const double keep = std::pow(1.0 - 1.0 / kDeliveredMemory, round_rows);
+  tokens = keep * tokens + double(round_tokens);
+  seconds = keep * seconds + round_seconds;
+  rows = keep * rows + round_rows;
+  ++count;
+  last_round = round;
+}
+
 void PrefixScheduler::RecentMedian::add(double ratio) {
   recent[count++ % kRecent] = ratio;
   const int n = std::min(count, kRecent);
@@ -708,9 +769,14 @@ void PrefixScheduler::RecentMedian::add(double ratio) {
   if (n >= kTrusted) value = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
 }
 
-void PrefixScheduler::observe_round(double seconds, bool warming_up) {
+void PrefixScheduler::observe_round(double seconds, bool warming_up, long tokens) {
   RecentMedian* timed = std::exchange(timed_, nullptr);
+  Delivered* delivered = std::exchange(delivered_, nullptr);
   if (!draft_cost_ || seconds <= 0.0) return;
+  if (tokens >= 0) {
+    counts_tokens_ = true;
+    if (delivered && !warming_up) delivered->add(tokens, seconds, int(rows_.size()), gate_->rounds);
+  }
   if (!timed || warming_up) {  // (what the rounds the gate leaves out cost, for the log)
     const char* kind = !drafting_round_ ? "undrafted" : probing_ ? "probe" : "drafted";
     if (gate_log())

@@ -90,6 +90,34 @@
 // prediction. DSPARK_GATE_LOG=1 prints each estimate and each timed round
 // on stderr.
 //
+// The rates delivered. The estimate is a model and can miss by more than
+// drafting gains: on the H100 at batch 8 it predicted 1.1-1.4x where drafting
+// every round delivered 0.87-1.0x (the rounds that admit a request, which it
+// does not time, and the confidences' optimism); a gate that follows it
+// there drafts some rounds and not others, and pays each reopening's
+// catch-up. So where rounds report the tokens they emitted (greedy runs),
+// each gate also sums what its rounds of each kind delivered, tokens and
+// seconds, decaying by 1/512 a row: drafted rounds where every row drafts,
+// after such a round (the first after undrafted ones also projects the rows
+// those staged: a cost of switching, not of drafting), and undrafted rounds
+// that are not probes; rounds that admit included (both kinds pay for
+// admissions, differently), warm-ups not. Once both kinds are known (12
+// rounds; drafted ones also 64 rows: at one row one request's poor drafts
+// would otherwise speak for the next ones), the kind with the higher rate
+// runs, and the other runs 16 rounds in a row (a trial) once it has not run
+// for 16 x 128 x |1 - the rates' ratio| rounds (256 to 2048: a trial costs
+// about 1/128 of the time), so that a gate keeps measuring what it does not
+// use (a factor learned only from the rounds a gate runs keeps the gate
+// where it shut it). Drafting is first measured where the estimate drafts (a
+// trial of drafting where nothing is known cost a batch of 32 on the H100
+// 0.44x: every drafted shape was new there), and later trials of drafting
+// need the estimate at a near miss or better; where it is lower, a probe
+// runs in the trial's place and brings it up to date. 16 undrafted rounds
+// are tried as soon as drafted ones are known. The rates count every cost,
+// those the estimate models and those it does not, on this machine and this
+// traffic; the estimate still prices each round's positions (Alg 1 and the
+// draft length) and decides where no tokens are reported (sampling).
+//
 // τ_b is the batch's progress per round. Row r drafting is expected to emit
 // e_r tokens a round (1 + the survival of its verified prefix). While
 // requests wait for a place (continuous batching) a row that finishes is
@@ -249,11 +277,12 @@ class VerifyScheduler {
   // proposals[i].confidence is empty when the source has no confidences.
   virtual void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) = 0;
   // Told after each round how long it took (drafting, verify and accepts, on
-  // the host's clock), and whether it ran a shape for one of its first times
-  // (warm_up_runs of the target or the source moved: a cost paid once). A
-  // round's duration does not depend on which tokens it drew, so later
-  // decisions may read it.
-  virtual void observe_round(double /*seconds*/, bool /*warming_up*/ = false) {}
+  // the host's clock), whether it ran a shape for one of its first times
+  // (warm_up_runs of the target or the source moved: a cost paid once), and
+  // how many tokens its rows emitted (-1: not counted). Later rounds may read
+  // them: they come from rounds already verified, never from the round a
+  // decision concerns.
+  virtual void observe_round(double /*seconds*/, bool /*warming_up*/ = false, long /*tokens*/ = -1) {}
 };
 
 // What Alg 1 weighs a round's tokens against (prefix_schedule). Left as
@@ -306,7 +335,7 @@ class PrefixScheduler final : public VerifyScheduler {
   int draft_length(int gamma) override;
   // Rows whose proposal has no confidences are verified whole (their tokens count in B).
   void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) override;
-  void observe_round(double seconds, bool warming_up = false) override;
+  void observe_round(double seconds, bool warming_up = false, long tokens = -1) override;
   const SpsProfile& sps() const { return sps_; }
   // The running estimate of drafting's gain over plain decoding (1 before any round).
   double gain() const { return gate_ ? gate_->gain.value : 1.0; }
@@ -332,6 +361,15 @@ class PrefixScheduler final : public VerifyScheduler {
     bool measured = false;
     void add(double ratio, double weight = 0.5);
   };
+  // Tokens emitted and seconds taken by one kind of round, sums that decay
+  // by 1/kDeliveredMemory a row (the scheduler's constant).
+  struct Delivered {
+    double tokens = 0.0, seconds = 0.0, rows = 0.0;
+    long count = 0;       // rounds added
+    long last_round = 0;  // the gate's round count at the last (Gate::rounds)
+    void add(long round_tokens, double round_seconds, int round_rows, long round);
+    double rate() const { return tokens / seconds; }
+  };
   // A cost ratio: the median of its last kRecent measurements, 1 before
   // kTrusted of them (a kind of round's first runs replay no graph yet).
   struct RecentMedian {
@@ -353,12 +391,26 @@ class PrefixScheduler final : public VerifyScheduler {
     // Static batches: the slowest row's pace over the rows' mean pace in
     // rounds where every row drafted, smoothed.
     SmoothedRatio slowest_share;
+    // What its rounds delivered, once rounds report their tokens (scheduler.h:
+    // the rates delivered); a trial runs the kind of round not in use.
+    Delivered drafted, undrafted;
+    long rounds = 0;            // rounds decided while rounds report their tokens
+    int trial_left = 0;         // rounds of the trial still to run
+    bool trial_drafts = false;  // whether the trial's rounds draft
+    long last_trial = 0;        // the round the last trial (or a probe in its place) started
   };
   // By power of two, and whether the batch drains (no request waits for a place).
   std::map<std::pair<int, bool>, Gate> gates_;
   std::pair<int, bool> gate_key_;  // this round's
   Gate* gate_ = nullptr;           // and its gate
   void enter_gate(int rows);       // sets gate_key_ and gate_ for a batch of `rows` (after waiting_)
+  // How many of this round's `rows` draft (all, none, or a probe's one)
+  // where the gate's delivered rates or a trial decide; nothing where its
+  // estimate does.
+  std::optional<int> delivered_decision(int rows);
+  bool counts_tokens_ = false;      // rounds report their tokens (greedy: observe_round)
+  Delivered* delivered_ = nullptr;  // what the round being run counts to (null: nothing)
+  bool all_drafted_ = false;        // every row of the round being run drafts
   double slowest_share() const;
   double round_draft_seconds(int rows) const;   // D(R, L) at this round's draft length
   RecentMedian drafted_cost_, undrafted_cost_;  // measured / predicted time of a drafted / an undrafted round

@@ -339,7 +339,8 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     // its decisions choose which random numbers are drawn, and a seeded run
     // must repeat exactly, which a clock cannot.
     if (options.scheduler && options.sampling.greedy())
-      options.scheduler->observe_round(std::chrono::duration<double>(Clock::now() - round_start).count(), warming_up);
+      options.scheduler->observe_round(std::chrono::duration<double>(Clock::now() - round_start).count(), warming_up,
+                                       round_tokens);
     retire_done();
     if (timing) {
       ++timing->rounds;
