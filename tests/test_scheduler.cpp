@@ -30,21 +30,15 @@ constexpr double kMove = 1.0 / 8, kStay = 1 - kMove;
 SpsProfile profile(std::vector<int> tokens, std::vector<double> rates) { return {std::move(tokens), std::move(rates)}; }
 
 // A round's outlook (rows_to_draft's argument) for requests 0..R-1 with these
-// remaining lengths, `waiting` requests waiting for a place, and `admitted`
-// requests taken in this round with `admitted_tokens` prompt tokens.
+// remaining lengths and `waiting` requests waiting for a place.
 struct Outlook {
   std::vector<int> rows, remaining;
-  int waiting = 0, admitted = 0, admitted_tokens = 0;
-  explicit Outlook(std::vector<int> remaining_lengths, int waiting_requests = 0, int admitted_requests = 0,
-                   int admitted_prompt_tokens = 0)
-      : rows(remaining_lengths.size()),
-        remaining(std::move(remaining_lengths)),
-        waiting(waiting_requests),
-        admitted(admitted_requests),
-        admitted_tokens(admitted_prompt_tokens) {
+  int waiting = 0;
+  explicit Outlook(std::vector<int> remaining_lengths, int waiting_requests = 0)
+      : rows(remaining_lengths.size()), remaining(std::move(remaining_lengths)), waiting(waiting_requests) {
     for (size_t r = 0; r < rows.size(); ++r) rows[r] = int(r);
   }
-  operator RoundOutlook() const { return {rows, remaining, waiting, admitted, admitted_tokens}; }
+  operator RoundOutlook() const { return {rows, remaining, waiting}; }
 };
 
 TEST(SpsProfile, InterpolatesStepTimeAndExtrapolatesPastTheLastPoint) {
@@ -336,13 +330,11 @@ TEST(PrefixScheduler, LeavesRoundsUndraftedWhileDraftingDoesNotPay) {
   EXPECT_EQ(plain_runs(shut, 1600, probe, plain_run), "1 2 4 8 16 32 64 128 256 512 512 ");
   EXPECT_EQ(plain_run, 1600 - 1535 - 12);                              // into the next run of 512
   EXPECT_EQ(shut.rows_to_draft(Outlook(std::vector<int>(3, 64))), 0);  // 3 rows: the same power of two
-  // Two rows beside two requests admitted this round: still a batch of four.
-  EXPECT_EQ(shut.rows_to_draft(Outlook(std::vector<int>(2, 64), 0, 2)), 0);
   EXPECT_EQ(shut.rows_to_draft(Outlook(std::vector<int>(2, 64))), 1);
   // Back at four rows the gate resumes its run of plain rounds (a probe
-  // comes after 1600 - 1535 - 12 + 2 = 55 of its 512, not at once).
+  // comes after 1600 - 1535 - 12 + 1 = 54 of its 512, not at once).
   shut.schedule(probe, verify);
-  for (int round = 0; round < 512 - 55; ++round) ASSERT_EQ(shut.rows_to_draft(Outlook(std::vector<int>(4, 64))), 0);
+  for (int round = 0; round < 512 - 54; ++round) ASSERT_EQ(shut.rows_to_draft(Outlook(std::vector<int>(4, 64))), 0);
   EXPECT_EQ(shut.rows_to_draft(Outlook(std::vector<int>(4, 64))), 1);
   // A near miss (a gain of 0.9 or more) looks again after at most 128 plain
   // rounds: here four rows gain 10.84 / (10 + 4 x 4.57 ms) / 400 = 0.958.
@@ -444,32 +436,6 @@ TEST(PrefixScheduler, GateScalesItsEstimateByTimedRounds) {
   // (the drafted rounds' ratio counts from the fourth: the first is untimed)
   const double against_timed = e_good / 0.030 / (1 / 0.020), untimed = e_good / 0.011 / (1 / 0.020);
   EXPECT_NEAR(dear_plain.gain(), against_timed + (untimed - against_timed) * std::pow(kStay, 4), 1e-6);
-  // A drafted round that also takes in a new request's prompt (continuous
-  // batching) replays no graph either, and plain decoding pays that per
-  // request too. Where few drafted rounds admit, such a round is not timed;
-  // where most do (a large batch: requests finish every round) it is,
-  // against its prediction plus the riding tokens' cost. SPS(B) here is 10 ms
-  // + 0.1 ms a token. Two rows (one of them admitted this round, not
-  // drafting, where the round admits): 10.3 ms for B = 4, + 2 ms for 20
-  // riding tokens, + D(2) = 2 ms; two drafting rows: 10.5 + 2 ms.
-  const SpsProfile sloped = profile({1, 1001}, {100.0, 1.0 / (0.01 + 1000 * 0.0001)});
-  const double g0 = e_good * 0.0101 / 0.0125;  // the untimed gain: 2 e / 12.5 ms against 2 rows / 10.1 ms
-  auto admitting = [&](int admitting_every) {  // admitting rounds at twice their prediction, 40 rounds
-    PrefixScheduler scheduler(sloped, DraftCostProfile{{1}, {0.001}});
-    for (int round = 0; round < 40; ++round) {
-      const bool admits = round % admitting_every == 0;
-      EXPECT_EQ(scheduler.rows_to_draft(admits ? Outlook({61}, 5, 1, 20) : Outlook({61, 61}, 5)), admits ? 1 : 2);
-      scheduler.schedule(admits ? std::vector<Proposal>{good[0], Proposal{}} : std::vector<Proposal>{good[0], good[0]},
-                         verify);
-      scheduler.observe_round(admits ? 2 * 0.0143 : 0.0125);
-    }
-    return scheduler.gain();
-  };
-  EXPECT_NEAR(admitting(4), g0, 1e-6);  // a quarter admit: those are not timed
-  // Every round admits: rounds 11 on are timed (a share of 1 - (15/16)^11 >=
-  // 1/2), the ratio counts from the third of them, and the gain moves an
-  // eighth of the way to g0 / 2 in each of the 26 rounds left.
-  EXPECT_NEAR(admitting(1), g0 / 2 + g0 / 2 * std::pow(kStay, 26), 1e-6);
 }
 
 // Rounds of four rows (requests waiting) through a gate, each observed to

@@ -249,13 +249,23 @@ class RecordingTarget : public Target {
   Target& inner_;
 };
 
+// Whether a forward is a prefill: every input a prompt but its last token.
+bool is_prefill(const std::vector<std::vector<int32_t>>& inputs, const std::vector<std::vector<int32_t>>& prompts) {
+  return std::all_of(inputs.begin(), inputs.end(), [&](const std::vector<int32_t>& tokens) {
+    return std::any_of(prompts.begin(), prompts.end(), [&](const std::vector<int32_t>& prompt) {
+      return prompt.size() > 1 && std::equal(tokens.begin(), tokens.end(), prompt.begin(), prompt.end() - 1);
+    });
+  });
+}
+
 TEST_F(ContinuousBatching, PlainAndSpeculativeDecodingTakeAPromptInTheSameForwards) {
-  // A prompt's tokens but the last enter the cache in one forward, whose
-  // inputs are the same in plain and speculative decoding; the last prompt
-  // token starts the request's input in the next forward. The GPU's kernels
-  // give a row the same bits at any row count up to 16 per step, so this is
-  // what keeps greedy speculative output equal to plain output bit for bit
-  // there (tests/cuda: SpeculativeGreedyEqualsPlainOnTheGpu).
+  // A prompt's tokens but the last enter the cache in a prefill forward of
+  // its group (max_active requests, in order), the same forward in plain and
+  // speculative decoding, however far apart the modes' requests finish; the
+  // last prompt token starts the request's input in a later forward. The
+  // GPU's kernels give a row the same bits at any row count up to 16 per step,
+  // so this is what keeps greedy speculative output equal to plain output
+  // bit for bit there (tests/cuda: SpeculativeGreedyEqualsPlainOnTheGpu).
   const Drafter drafter = random_drafter(model.config, "markov", 4, 23, 3.0f);
   DSparkSource source(drafter, target_head_of(model));
   for (int max_active : {0, 1, 2}) {
@@ -269,42 +279,45 @@ TEST_F(ContinuousBatching, PlainAndSpeculativeDecodingTakeAPromptInTheSameForwar
     RecordingTarget plain(target), speculative(target);
     generate_batch(plain, prompts, plain_options);
     speculative_generate(speculative, source, prompts, speculative_options);
-    // The forward carrying each prompt but its last token, and the one after it.
-    auto admission = [&](const RecordingTarget& recorded, const std::vector<int32_t>& prompt) {
-      const std::vector<int32_t> head(prompt.begin(), prompt.end() - 1);
-      for (size_t f = 0; f + 1 < recorded.forwards.size(); ++f)
-        for (const auto& tokens : recorded.forwards[f])
-          if (tokens == head) return f;
-      ADD_FAILURE() << "no forward carries the prompt but its last token";
-      return recorded.forwards.size();
+    auto prefills = [&](const RecordingTarget& recorded) {
+      std::vector<std::vector<std::vector<int32_t>>> found;
+      std::copy_if(recorded.forwards.begin(), recorded.forwards.end(), std::back_inserter(found),
+                   [&](const auto& inputs) { return is_prefill(inputs, prompts); });
+      return found;
     };
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      if (prompts[i].size() < 2) continue;  // (nothing but the last token)
-      const std::string what = "max_active " + std::to_string(max_active) + ", prompt " + std::to_string(i);
-      const size_t p = admission(plain, prompts[i]), s = admission(speculative, prompts[i]);
-      if (p >= plain.forwards.size() || s >= speculative.forwards.size()) continue;
-      if (max_active != 2) {  // (at 2, the other row's input differs: one token against a verify block)
-        EXPECT_EQ(plain.forwards[p], speculative.forwards[s]) << what;
-      }
-      const auto starts_with_last = [&](const std::vector<std::vector<int32_t>>& forward) {
-        return std::any_of(forward.begin(), forward.end(), [&](const std::vector<int32_t>& tokens) {
-          return !tokens.empty() && tokens[0] == prompts[i].back() && tokens.size() <= 1 + 4;
+    const std::string what = "max_active " + std::to_string(max_active);
+    const auto plain_prefills = prefills(plain);
+    EXPECT_EQ(plain_prefills, prefills(speculative)) << what;
+    // One a group of max_active requests (all of them at 0) with a prompt of more than one token.
+    const size_t group = max_active > 0 ? size_t(max_active) : prompts.size();
+    size_t groups = 0;
+    for (size_t first = 0; first < prompts.size(); first += group)
+      groups += std::any_of(prompts.begin() + first, prompts.begin() + std::min(first + group, prompts.size()),
+                            [](const auto& prompt) { return prompt.size() > 1; });
+    EXPECT_EQ(plain_prefills.size(), groups) << what;
+    for (size_t i = 0; i < prompts.size(); ++i) {  // the last prompt token starts a later input
+      const auto starts_with_last = [&](const RecordingTarget& recorded) {
+        return std::any_of(recorded.forwards.begin(), recorded.forwards.end(), [&](const auto& inputs) {
+          return !is_prefill(inputs, prompts) && std::any_of(inputs.begin(), inputs.end(), [&](const auto& tokens) {
+            return !tokens.empty() && tokens[0] == prompts[i].back() && tokens.size() <= 1 + 4;
+          });
         });
       };
-      EXPECT_TRUE(starts_with_last(plain.forwards[p + 1])) << what << ", plain";
-      EXPECT_TRUE(starts_with_last(speculative.forwards[s + 1])) << what << ", speculative";
+      EXPECT_TRUE(starts_with_last(plain)) << what << ", prompt " << i;
+      EXPECT_TRUE(starts_with_last(speculative)) << what << ", prompt " << i;
     }
   }
 }
 
-// Under continuous batching both modes count a forward in full_batch when it
-// carries max_active requests (a prompt riding in it included), with the
-// tokens it generated; the prefill and the tail's forwards do not count, and
-// without max_active nothing does.
+// Under continuous batching both modes count a step or round in full_batch
+// when it carries max_active requests, with the tokens it generated; the
+// prefills and the tail's forwards do not count, and without max_active
+// nothing does. (An odd number of requests two at a time: the last one runs alone.)
 TEST_F(ContinuousBatching, FullBatchCountsTheForwardsWithEveryPlaceTaken) {
   const Drafter drafter = random_drafter(model.config, "markov", 4, 23, 3.0f);
   DSparkSource source(drafter, target_head_of(model));
   ASSERT_GE(prompts.size(), 3u);
+  const std::vector<std::vector<int32_t>> odd(prompts.begin(), prompts.end() - (prompts.size() % 2 == 0));
   for (int max_active : {0, 2}) {
     GenerateOptions plain_options;
     plain_options.max_new_tokens = 6;
@@ -316,15 +329,15 @@ TEST_F(ContinuousBatching, FullBatchCountsTheForwardsWithEveryPlaceTaken) {
     speculative_options.gamma = 4;
     speculative_options.max_active = max_active;
     RecordingTarget plain(target), speculative(target);
-    const std::vector<GenerateResult> plain_results = generate_batch(plain, prompts, plain_options);
+    const std::vector<GenerateResult> plain_results = generate_batch(plain, odd, plain_options);
     SpeculativeTiming timing;
     const std::vector<SpeculativeResult> speculative_results =
-        speculative_generate(speculative, source, prompts, speculative_options, &timing);
+        speculative_generate(speculative, source, odd, speculative_options, &timing);
     const std::string what = "max_active " + std::to_string(max_active);
-    // (Forward 0 is the prefill of the prompts admitted at the start.)
     auto full_forwards = [&](const RecordingTarget& recorded) {
-      return std::count_if(recorded.forwards.begin() + 1, recorded.forwards.end(),
-                           [&](const auto& inputs) { return int(inputs.size()) == max_active; });
+      return std::count_if(recorded.forwards.begin(), recorded.forwards.end(), [&](const auto& inputs) {
+        return int(inputs.size()) == max_active && !is_prefill(inputs, odd);
+      });
     };
     const StepTally& plain_full = plain_results[0].full_batch;
     if (max_active == 0) {
@@ -336,13 +349,7 @@ TEST_F(ContinuousBatching, FullBatchCountsTheForwardsWithEveryPlaceTaken) {
     EXPECT_EQ(timing.full_batch.forwards, full_forwards(speculative)) << what;
     EXPECT_LT(plain_full.forwards, plain_results[0].forwards);  // the tail runs one request
     EXPECT_LT(timing.full_batch.forwards, timing.rounds);
-    // Plain decoding: a token for each input of a full step but the prompts riding in it.
-    long plain_tokens = 0;
-    for (size_t f = 1; f < plain.forwards.size(); ++f) {
-      if (int(plain.forwards[f].size()) != max_active) continue;
-      for (const auto& tokens : plain.forwards[f]) plain_tokens += tokens.size() == 1;
-    }
-    EXPECT_EQ(plain_full.tokens, plain_tokens) << what;
+    EXPECT_EQ(plain_full.tokens, 2 * plain_full.forwards) << what;  // a token for each input of a full step
     long speculative_tokens = 0;
     for (const SpeculativeResult& result : speculative_results) speculative_tokens += long(result.tokens.size());
     EXPECT_GT(timing.full_batch.tokens, timing.full_batch.forwards);  // drafts were accepted
@@ -385,19 +392,30 @@ TEST_F(ContinuousBatching, WarmUpRoundsAreThoseThatRanANewShape) {
   const std::vector<GenerateResult> plain_results = generate_batch(plain, prompts, plain_options);
   SpeculativeTiming timing;
   speculative_generate(speculative, source, prompts, speculative_options, &timing);
-  // New token counts among the forwards after the prefill (forward 0).
-  auto new_shapes = [](const RecordingTarget& recorded) {
+  // The steps or rounds that ran a new token count, a prefill's included:
+  // plain decoding's step runs to the next step's forward (the prefills after
+  // it), a round from its iteration's start (the prefills before it). The
+  // prefill at the start (forward 0) is in none.
+  auto new_shapes = [&](const RecordingTarget& recorded, bool prefills_after) {
     std::set<size_t> seen;
-    long count = 0;
+    std::vector<bool> steps;  // per step or round: whether it ran a new shape
+    bool before = false;      // a prefill since the last step ran one
     for (size_t f = 0; f < recorded.forwards.size(); ++f) {
       size_t tokens = 0;
       for (const auto& input : recorded.forwards[f]) tokens += input.size();
-      count += seen.insert(tokens).second && f > 0;
+      const bool new_shape = seen.insert(tokens).second;
+      if (!is_prefill(recorded.forwards[f], prompts)) {
+        steps.push_back(new_shape || std::exchange(before, false));
+      } else if (f > 0 && prefills_after) {
+        if (new_shape) steps.back() = true;
+      } else if (f > 0) {
+        before = before || new_shape;
+      }
     }
-    return count;
+    return long(std::count(steps.begin(), steps.end(), true));
   };
-  EXPECT_EQ(plain_results[0].warm_ups.forwards, new_shapes(plain));
-  EXPECT_EQ(timing.warm_ups.forwards, new_shapes(speculative));
+  EXPECT_EQ(plain_results[0].warm_ups.forwards, new_shapes(plain, true));
+  EXPECT_EQ(timing.warm_ups.forwards, new_shapes(speculative, false));
   EXPECT_GT(timing.warm_ups.forwards, 0);
   EXPECT_LT(timing.warm_ups.forwards, timing.rounds);
   EXPECT_GT(timing.warm_ups.seconds, 0.0);
@@ -928,8 +946,6 @@ class RemainingRecorder final : public VerifyScheduler {
     calls.emplace_back(outlook.remaining.begin(), outlook.remaining.end());
     rows.emplace_back(outlook.rows.begin(), outlook.rows.end());
     waiting.push_back(outlook.waiting);
-    admitted.push_back(outlook.admitted);
-    admitted_tokens.push_back(outlook.admitted_tokens);
     return static_cast<int>(outlook.remaining.size());
   }
   void schedule(std::span<const Proposal> proposals, std::vector<int>& verify) override {
@@ -937,7 +953,7 @@ class RemainingRecorder final : public VerifyScheduler {
     for (const Proposal& proposal : proposals) verify.push_back(int(proposal.tokens.size()));
   }
   std::vector<std::vector<int>> calls, rows;  // per round, each row's remaining length and request
-  std::vector<int> waiting, admitted, admitted_tokens;
+  std::vector<int> waiting;
 };
 
 // rows_to_draft hears, per active row, the tokens it may still emit:
@@ -973,13 +989,12 @@ TEST(SpeculativeEngine, TellsTheSchedulerEachRowsRemainingLength) {
   EXPECT_EQ(recorder.calls, expected);
   EXPECT_EQ(recorder.rows, expected_rows);
   EXPECT_EQ(recorder.waiting, std::vector<int>(expected.size(), 0));  // both requests run from the start
-  EXPECT_EQ(recorder.admitted, std::vector<int>(expected.size(), 0));
   EXPECT_GT(expected.size(), 1u);
 }
 
 // Under continuous batching the outlook names each row's request and counts
-// the requests still waiting for a place; a request admitted in a round
-// (its prompt riding in that round's forward) joins the outlook the round after.
+// the requests still waiting for a place; a request prefilled when a place
+// frees up is in the very next round's outlook, and drafts there.
 TEST(SpeculativeEngine, TellsTheSchedulerWhichRequestsRunAndHowManyWait) {
   const Transformer model = tiny_target(7);
   CpuTarget target(model);
@@ -997,23 +1012,15 @@ TEST(SpeculativeEngine, TellsTheSchedulerWhichRequestsRunAndHowManyWait) {
   ASSERT_FALSE(recorder.rows.empty());
   EXPECT_EQ(recorder.rows[0], (std::vector<int>{1, 0}));  // the newest first
   EXPECT_EQ(recorder.waiting[0], 1);
-  // Request 2 is admitted in the round after the first of 0 and 1 finishes,
-  // and drafts (is in the outlook) from the round after that, nothing waiting then.
-  size_t admitted_round = 0;
-  while (admitted_round < recorder.rows.size() && recorder.waiting[admitted_round] == 1) ++admitted_round;
-  ASSERT_LT(admitted_round, recorder.rows.size());
+  // Request 2 joins in the round after the first of 0 and 1 finishes, nothing waiting then.
+  size_t joined = 0;
+  while (joined < recorder.rows.size() && recorder.waiting[joined] == 1) ++joined;
+  ASSERT_LT(joined, recorder.rows.size());
   const size_t first_done = std::min(results[0].trace.size(), results[1].trace.size());
-  EXPECT_EQ(admitted_round, first_done);
-  auto runs = [&](size_t round, int request) {
-    return std::find(recorder.rows[round].begin(), recorder.rows[round].end(), request) != recorder.rows[round].end();
-  };
-  EXPECT_FALSE(runs(admitted_round, 2));  // the fresh request is not in its first round's outlook ...
-  ASSERT_LT(admitted_round + 1, recorder.rows.size());
-  EXPECT_TRUE(runs(admitted_round + 1, 2));  // ... but in the next one's
-  for (size_t round = admitted_round; round < recorder.rows.size(); ++round) EXPECT_EQ(recorder.waiting[round], 0);
-  for (size_t round = 0; round < recorder.rows.size(); ++round)  // the round that took request 2 in says so
-    EXPECT_EQ(recorder.admitted[round], round == admitted_round ? 1 : 0) << round;
-  EXPECT_EQ(recorder.admitted_tokens[admitted_round], 1);  // request 2's prompt but its last token
+  EXPECT_EQ(joined, first_done);
+  EXPECT_EQ(recorder.rows[joined].front(), 2);  // the newest
+  for (size_t round = joined; round < recorder.rows.size(); ++round) EXPECT_EQ(recorder.waiting[round], 0);
+  EXPECT_EQ(recorder.calls[joined].front(), 6);  // all 6 tokens to come
   for (const SpeculativeResult& result : results) EXPECT_EQ(result.tokens.size(), 6u);
 }
 

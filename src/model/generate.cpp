@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <deque>
 
 #include "core/error.h"
 #include "core/random.h"
@@ -37,33 +38,39 @@ std::vector<GenerateResult> generate_batch(Target& target, std::span<const std::
   const size_t most_active = options.max_active > 0 ? size_t(options.max_active) : prompts.size();
   std::vector<TargetInput> inputs;
   std::vector<size_t> owners;
-  std::vector<bool> prefixes;  // per input: a prompt but its last token, whose row gives no token
   size_t admitted = 0;
-  // Admission: every prompt token but the last enters the cache first, and
-  // the request's first step carries the last one, as speculative decoding
-  // admits (speculative.cpp). A prompt's rows then go through the same
-  // forwards in both modes, so that where a row's bits do not depend on the
-  // row count (Target::row_invariant_rows), greedy speculative output is
-  // plain output bit for bit. At the start in one prefill forward;
-  // a request admitted later, when a place frees up (max_active), rides in
-  // the next step with its prompt but the last token.
-  auto admit = [&](bool at_start) {
+  // Admission: every prompt token but the last enters the cache in a
+  // prefill forward, and the request's first step carries the last one.
+  // Requests are prefilled in groups of max_active, in order: the first
+  // group at the start, the next one when a place frees up and no prefilled
+  // request is waiting for one, as speculative decoding admits
+  // (speculative.cpp): a prompt's rows then go through the same forward in
+  // both modes, so that where a row's bits do not depend on the row count
+  // (Target::row_invariant_rows), greedy speculative output is plain output
+  // bit for bit.
+  std::deque<size_t> prefilled;  // requests prefilled and waiting for a place, in order
+  auto prefill_group = [&] {
     std::vector<TargetInput> prefill;
-    while (admitted < prompts.size() && inputs.size() < most_active) {
+    for (size_t n = 0; n < most_active && admitted < prompts.size(); ++n) {
       const size_t r = admitted++;
       const std::vector<int32_t>& prompt = prompts[r];
       const int capacity = static_cast<int>(
           std::min<long>(config.max_positions, static_cast<long>(prompt.size()) + options.max_new_tokens));
       sequences[r] = target.create_sequence(capacity);
-      const TargetInput head{sequences[r], std::span(prompt).first(prompt.size() - 1), false};
-      const bool prefix = !at_start && !head.tokens.empty();
-      if (at_start && !head.tokens.empty()) prefill.push_back(head);
-      inputs.push_back(prefix ? head : TargetInput{sequences[r], std::span(prompt).last(1), false});
-      owners.push_back(r);
-      prefixes.push_back(prefix);
+      if (prompt.size() > 1) prefill.push_back({sequences[r], std::span(prompt).first(prompt.size() - 1), false});
+      prefilled.push_back(r);
     }
     TargetResult ignored;  // (the prefill's tokens: the step after it gives the first ones)
     if (!prefill.empty()) target.forward(prefill, TargetRequest{}, ignored);
+  };
+  auto admit = [&] {
+    while (inputs.size() < most_active && (!prefilled.empty() || admitted < prompts.size())) {
+      if (prefilled.empty()) prefill_group();
+      const size_t r = prefilled.front();
+      prefilled.pop_front();
+      inputs.push_back({sequences[r], std::span(prompts[r]).last(1), false});
+      owners.push_back(r);
+    }
   };
   std::vector<double> uniforms(prompts.size());
   TargetRequest request;
@@ -72,8 +79,8 @@ std::vector<GenerateResult> generate_batch(Target& target, std::span<const std::
 
   const auto start = Clock::now();
   long forwards = 0;
-  // A step runs from its forward's start to the next one's; one with every
-  // place taken counts in full_batch, with a token for each row not a prompt.
+  // A step runs from its forward's start to the next one's (a prefill
+  // between them included); one with every place taken counts in full_batch.
   StepTally full_batch, warm_ups;
   Clock::time_point step_start;
   long step_tokens = -1;   // the step in flight's tokens (-1: none in flight)
@@ -91,13 +98,13 @@ std::vector<GenerateResult> generate_batch(Target& target, std::span<const std::
     end_step(now);
     step_start = now;
     step_warm_ups = target.warm_up_runs();
-    step_tokens = long(std::count(prefixes.begin(), prefixes.end(), false));
+    step_tokens = long(inputs.size());
     step_full = options.max_active > 0 && inputs.size() == most_active;
-    for (size_t i = 0; i < inputs.size(); ++i) uniforms[i] = prefixes[i] ? 0.0 : streams[owners[i]].uniform();
+    for (size_t i = 0; i < inputs.size(); ++i) uniforms[i] = streams[owners[i]].uniform();
     if (!options.sampling.greedy()) request.uniforms = std::span(uniforms).first(inputs.size());
     target.forward(inputs, request, step);
   };
-  admit(true);
+  admit();
   const auto prefill_done = Clock::now();
   const double prefill_seconds = std::chrono::duration<double>(prefill_done - start).count();
   forward();
@@ -107,11 +114,6 @@ std::vector<GenerateResult> generate_batch(Target& target, std::span<const std::
     std::vector<size_t> next_owners;
     for (size_t i = 0; i < inputs.size(); ++i) {
       const size_t r = owners[i];
-      if (prefixes[i]) {  // its prompt is in: the next step carries the last token
-        next_inputs.push_back({sequences[r], std::span(prompts[r]).last(1), false});
-        next_owners.push_back(r);
-        continue;
-      }
       GenerateResult& result = results[r];
       const int32_t token = step.tokens[i];
       result.tokens.push_back(token);
@@ -135,8 +137,7 @@ std::vector<GenerateResult> generate_batch(Target& target, std::span<const std::
     }
     inputs = std::move(next_inputs);
     owners = std::move(next_owners);
-    prefixes.assign(inputs.size(), false);
-    admit(false);
+    admit();
     if (!inputs.empty()) forward();
   }
   const auto decode_done = Clock::now();

@@ -19,9 +19,10 @@ struct GenerateOptions {
   uint64_t seed = 0;             // one uniform per generated token is drawn from Rng(seed)
   bool ignore_eos = false;
   // At most this many requests decode together (0: all of them); a waiting
-  // request joins the next forward, its prompt but the last token beside the
-  // others' one token, as soon as one finishes (continuous batching, as a
-  // server runs); the step after carries its last prompt token.
+  // request joins the next step as soon as one finishes (continuous
+  // batching, as a server runs) with its last prompt token, the others
+  // having entered the cache in one prefill forward with those of the next
+  // max_active waiting requests (generate.cpp: admission).
   int max_active = 0;
 };
 
@@ -44,9 +45,8 @@ struct GenerateResult {
   double decode_seconds = 0.0;   // everything after it, later admissions' prompts included
   long forwards = 0;             // decode steps the whole batch ran (the prefill not counted)
   // The whole batch's steps, under continuous batching (max_active > 0),
-  // with every place taken (max_active requests in flight, one admitted that
-  // step counted): what a server sustains at that batch size while requests
-  // wait. The rest is the tail, where the last requests finish with places
+  // with every place taken (max_active requests in flight): what a server
+  // sustains at that batch size while requests wait. The rest is the tail, where the last requests finish with places
   // left empty; its length is set by how far apart the last requests end
   // (plain decoding's requests of one length end together, speculative
   // decoding's spread out with their acceptance), not by a step's speed.

@@ -31,7 +31,6 @@ constexpr int kMaxUndraftedRounds = 512;
 constexpr double kNearMiss = 0.9;
 constexpr int kMaxUndraftedRoundsNear = 128;
 constexpr double kGainWeight = 1.0 / 8;        // each round's estimate moves the gain an eighth of the way
-constexpr double kAdmittingWeight = 1.0 / 16;  // ... and the share of drafted rounds that admit
 constexpr double kSurvivalWeight = 1.0 / 16;   // each drafted round moves a position's mean survival this far
 constexpr long kFullDraftEvery = 16;           // draft_length(): one drafted round in this many drafts γ
 constexpr double kOneOffRatio = 4.0;  // observe_round ignores rounds that took longer than this x their prediction
@@ -641,17 +640,13 @@ int PrefixScheduler::rows_to_draft(const RoundOutlook& outlook) {
   probing_ = false;
   draft_length_ = 0;
   const int rows = static_cast<int>(remaining_.size());
-  // An undrafted round is predicted to cost a plain step (one that admits
-  // requests is not timed: scheduler.h); a drafted one's prediction is set by
-  // schedule().
+  // An undrafted round is predicted to cost a plain step; a drafted one's
+  // prediction is set by schedule().
   after_drafted_round_ = drafting_round_;
   drafting_round_ = false;
-  admitted_tokens_ = outlook.admitted_tokens;
-  timed_ = rows > 0 && admitted_tokens_ == 0 ? &undrafted_cost_ : nullptr;
+  timed_ = rows > 0 ? &undrafted_cost_ : nullptr;
   predicted_seconds_ = rows > 0 ? 1.0 / sps_.plain_at(rows) : 0.0;
-  // (Requests admitted this round count: under continuous batching a wave of
-  // rows that finish together is replaced at once, not a smaller batch.)
-  enter_gate(rows + outlook.admitted);
+  enter_gate(rows);
   const bool after_all_drafted = std::exchange(all_drafted_, false);
   if (!draft_cost_) return rows;
   int drafting = 0;
@@ -780,9 +775,9 @@ void PrefixScheduler::observe_round(double seconds, bool warming_up, long tokens
   if (!timed || warming_up) {  // (what the rounds the gate leaves out cost, for the log)
     const char* kind = !drafting_round_ ? "undrafted" : probing_ ? "probe" : "drafted";
     if (gate_log())
-      std::fprintf(stderr, "gate untimed %s round: %.4f ms (%s%s%d prompt tokens)\n", kind, 1e3 * seconds,
-                   warming_up ? "warming up, " : "",
-                   drafting_round_ && !after_drafted_round_ ? "after an undrafted round, " : "", admitted_tokens_);
+      std::fprintf(stderr, "gate untimed %s round: %.4f ms (%s%s)\n", kind, 1e3 * seconds,
+                   warming_up ? "warming up" : "",
+                   drafting_round_ && !after_drafted_round_ ? "after an undrafted round" : "");
     return;
   }
   // A round that warmed a shape up, or far off its prediction for another
@@ -818,7 +813,7 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   // decoding's tokens/s, smoothed over the drafted rounds (one round's
   // confidences are noisy). Without remaining lengths every row counts alike.
   const int R = static_cast<int>(proposals.size());
-  // (The outlook's rows come first; a request admitted this round follows them, without a draft.)
+  // (Rows past the outlook's, where schedule() is called with more, draft nothing.)
   const bool lengths = !remaining_.empty() && remaining_.size() <= proposals.size();
   const auto drafted = [&](int r) { return !proposals[r].tokens.empty() && (!lengths || r < int(remaining_.size())); };
   int drafting = 0;
@@ -906,14 +901,9 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   // drafter's context); then such a round's predicted time, scaled by what
   // timed ones have cost against their predictions.
   drafting_round_ = true;
-  const int drafting_rows = lengths ? int(remaining_.size()) : R;  // (not those admitted this round)
+  const int drafting_rows = lengths ? int(remaining_.size()) : R;
   timed_ = drafting == drafting_rows && after_drafted_round_ ? &drafted_cost_ : nullptr;
-  if (timed_) {  // one that admits, only where most do (scheduler.h)
-    gate_->admitting += kAdmittingWeight * ((admitted_tokens_ > 0 ? 1.0 : 0.0) - gate_->admitting);
-    if (admitted_tokens_ > 0 && gate_->admitting < 0.5) timed_ = nullptr;
-  }
-  predicted_seconds_ = 1.0 / sps_.round_at(R, double(tokens - R) / R) + round_draft_seconds(R) +
-                       (1.0 / sps_.at(tokens + admitted_tokens_) - 1.0 / sps_.at(tokens));
+  predicted_seconds_ = 1.0 / sps_.round_at(R, double(tokens - R) / R) + round_draft_seconds(R);
   const double all_drafting =
       (1.0 / sps_.round_at(R, (tokens_all - R) / R) + round_draft_seconds(R)) * drafted_cost_.value;
   const double speculative = expected_all / all_drafting;

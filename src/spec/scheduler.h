@@ -44,8 +44,7 @@
 // 12-34% of the time at batch 16 and 64 on the H100: their new shapes ran
 // eagerly and were captured). For the estimate its row stands for all R:
 // Alg 1 schedules R copies of its confidences.
-// Each batch size (R rounded up to a power of two, requests admitted in the
-// round counted) has a gate of its own, its estimate and its run of plain
+// Each batch size (R rounded up to a power of two) has a gate of its own, its estimate and its run of plain
 // rounds: a batch that comes back to a size (the next static batch after
 // one's tail, a server's batch refilled) resumes it, and a size not seen
 // before starts from the estimate of the one the batch came from and looks
@@ -75,33 +74,20 @@
 // one slow round kept a gate that pays shut, or one that does not pay open
 // (on the H100 at batch 8 the first undrafted round, at 1.5x, held the gate
 // open). Only at temperature 0 (spec/speculative.cpp): a sampling run with a
-// seed must repeat exactly.
-// Under continuous batching a round may also carry a newly admitted
-// request's prompt, which keeps its forward from replaying a graph (on the
-// H100 at batch 4 such drafted rounds took 2.2-2.5x the prediction that adds
-// the prompt's tokens at SPS(B), the others 1.0-1.1x). Plain decoding pays
-// the same per request, so where few drafted rounds admit (under half of
-// them, smoothed by sixteenths) those are not timed; where most do (at batch
-// 64 about 2.7 requests finish a round) they are, against that prediction,
-// or drafting's cost there would never be learned (on the H200 at batch 64
-// the gate then drafted every round, at half plain decoding's speed).
-// Undrafted rounds that admit are not timed: rows that do not draft finish
-// together, so their admissions come in waves, rare and far off any
-// prediction. DSPARK_GATE_LOG=1 prints each estimate and each timed round
-// on stderr.
+// seed must repeat exactly. DSPARK_GATE_LOG=1 prints each estimate and
+// each timed round on stderr.
 //
 // The rates delivered. The estimate is a model and can miss by more than
 // drafting gains: on the H100 at batch 8 it predicted 1.1-1.4x where drafting
-// every round delivered 0.87-1.0x (the rounds that admit a request, which it
-// does not time, and the confidences' optimism); a gate that follows it
+// every round delivered 0.87-1.0x (rounds it does not time, and the
+// confidences' optimism); a gate that follows it
 // there drafts some rounds and not others, and pays each reopening's
 // catch-up. So where rounds report the tokens they emitted (greedy runs),
 // each gate also sums what its rounds of each kind delivered, tokens and
 // seconds, decaying by 1/512 a row: drafted rounds where every row drafts,
 // after such a round (the first after undrafted ones also projects the rows
 // those staged: a cost of switching, not of drafting), and undrafted rounds
-// that are not probes; rounds that admit included (both kinds pay for
-// admissions, differently), warm-ups not. Once both kinds are known (12
+// that are not probes; warm-ups not. Once both kinds are known (12
 // rounds; drafted ones also 64 rows: at one row one request's poor drafts
 // would otherwise speak for the next ones), the kind with the higher rate
 // runs, and the other runs 16 rounds in a row (a trial) once it has not run
@@ -246,7 +232,7 @@ DraftCostProfile cached_draft_cost(Target& target, DraftSource& source, const st
                                    int max_rows, const std::filesystem::path& cache_file, bool remeasure = false);
 
 // What the engine tells a scheduler before a round of R rows (the requests
-// that may draft; a request admitted this round does not draft yet).
+// that may draft).
 struct RoundOutlook {
   std::span<const int> rows;       // [R] each row's request: the same id for as long as the request runs
   std::span<const int> remaining;  // [R] the most tokens each row may still emit
@@ -254,10 +240,6 @@ struct RoundOutlook {
   // row that finishes is replaced at once, so the batch's throughput is its
   // rows' total progress; with none, the batch runs until its last row is done.
   int waiting = 0;
-  // Requests admitted this round: their prompts ride in its forward, and they
-  // join the rows (and may draft) from the next round. The batch is R + admitted.
-  int admitted = 0;
-  int admitted_tokens = 0;  // the prompt tokens riding
 };
 
 class VerifyScheduler {
@@ -387,7 +369,6 @@ class PrefixScheduler final : public VerifyScheduler {
     SmoothedRatio gain;      // predicted speculative / plain tokens per second (< 1: plain rounds and probes)
     int undrafted_left = 0;  // plain rounds still to run before the next probe
     int backoff = 1;         // plain rounds after the next round that does not pay
-    double admitting = 0.0;  // the share of timed drafted rounds that admit a request, smoothed
     // Static batches: the slowest row's pace over the rows' mean pace in
     // rounds where every row drafted, smoothed.
     SmoothedRatio slowest_share;
@@ -415,8 +396,7 @@ class PrefixScheduler final : public VerifyScheduler {
   double round_draft_seconds(int rows) const;   // D(R, L) at this round's draft length
   RecentMedian drafted_cost_, undrafted_cost_;  // measured / predicted time of a drafted / an undrafted round
   RecentMedian* timed_ = nullptr;               // what the round being run is timed against (null: it is not)
-  double predicted_seconds_ = 0.0;  // the profiles' time for it
-  int admitted_tokens_ = 0;         // prompt tokens riding in the round's forward
+  double predicted_seconds_ = 0.0;              // the profiles' time for it
   bool probing_ = false;            // this round is a probe (one of R > 1 rows drafts while the gate is shut)
   bool drafting_round_ = false, after_drafted_round_ = false;  // this round drafts; the one before did
   std::vector<SmoothedRatio> survival_;  // [γ] ā_j: position j's survival a_{r,j}, the mean over a round's rows

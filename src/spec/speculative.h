@@ -31,9 +31,11 @@ struct SpeculativeOptions {
   VerifyScheduler* scheduler = nullptr;
   // At most this many requests decode together (0: all of them); a waiting
   // request joins as soon as one finishes (continuous batching), its prompt
-  // riding in the next round's verify forward. A request's output does not
-  // depend on it at temperature 0, nor at any temperature unless the
-  // scheduler's decisions do (alg1 weighs the whole batch's confidences).
+  // prefilled in one forward with those of the next max_active waiting
+  // requests, which then wait with their caches kept (speculative.cpp:
+  // admission). A request's output does not depend on it at temperature 0,
+  // nor at any temperature unless the scheduler's decisions do (alg1 weighs
+  // the whole batch's confidences).
   int max_active = 0;
 };
 

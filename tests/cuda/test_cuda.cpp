@@ -894,7 +894,7 @@ TEST_P(CudaGolden, SpeculativeGreedyEqualsPlainOnTheGpu) {
     EXPECT_EQ(spec_alone[0].tokens, plain_alone[0].tokens) << "prompt " << i;
   }
   // Likewise one after another under continuous batching, where each prompt
-  // but its last token rides in a step of its own.
+  // but its last token enters the cache in a prefill of its own.
   plain_options.max_active = options.max_active = 1;
   const auto plain_queued = generate_batch(*cuda_, prompts, plain_options);
   const auto spec_queued = speculative_generate(*cuda_, dspark_source, prompts, options);
