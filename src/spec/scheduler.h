@@ -44,18 +44,19 @@
 // 12-34% of the time at batch 16 and 64 on the H100: their new shapes ran
 // eagerly and were captured). For the estimate its row stands for all R:
 // Alg 1 schedules R copies of its confidences.
-// Each batch size (R rounded up to a power of two) has a gate of its own, its estimate and its run of plain
-// rounds: a batch that comes back to a size (the next static batch after
-// one's tail, a server's batch refilled) resumes it, and a size not seen
-// before starts from the estimate of the one the batch came from and looks
-// at once (with one gate whose runs started over whenever the batch crossed
-// a power of two, each tail of a batch did: in a continuous-batching sweep
-// on the CPU, batch 8 spent 3.4% of its time on probes, 0.4% with a gate per
-// size). A batch that drains (no request waiting: the tail of a server's
-// queue, a static batch) and one that waiting requests refill are judged
-// apart, the first by its slowest row's pace, so each has its own gate per
-// size: on the H100 at batch 4 the tails' three-row rounds (0.8-1.0) shut
-// the gate that the next wave of requests, refilling four rows, then met shut.
+// Each batch size (R rounded up to a power of two) has a gate of its own, its
+// estimate and its run of plain rounds: a batch that comes back to a size (the
+// next static batch after one's tail, a server's batch refilled) resumes it,
+// and a size not seen before starts from the estimate of the one the batch came
+// from and looks at once (with one gate whose runs started over whenever the
+// batch crossed a power of two, each tail of a batch did: in a
+// continuous-batching sweep on the CPU, batch 8 spent 3.4% of its time on
+// probes, 0.4% with a gate per size). A batch that drains (no request waiting:
+// the tail of a server's queue, a static batch) and one that waiting requests
+// refill are judged apart, the first by its slowest row's pace, so each has its
+// own gate per size: on the H100 at batch 4 the tails' three-row rounds
+// (0.8-1.0) shut the gate that the next wave of requests, refilling four rows,
+// then met shut.
 //
 // The profiles are measured once, apart from real rounds; real rounds may
 // cost more (a round whose rows verify different numbers of drafts cannot
@@ -80,29 +81,28 @@
 // The rates delivered. The estimate is a model and can miss by more than
 // drafting gains: on the H100 at batch 8 it predicted 1.1-1.4x where drafting
 // every round delivered 0.87-1.0x (rounds it does not time, and the
-// confidences' optimism); a gate that follows it
-// there drafts some rounds and not others, and pays each reopening's
-// catch-up. So where rounds report the tokens they emitted (greedy runs),
-// each gate also sums what its rounds of each kind delivered, tokens and
-// seconds, decaying by 1/512 a row: drafted rounds where every row drafts,
-// after such a round (the first after undrafted ones also projects the rows
-// those staged: a cost of switching, not of drafting), and undrafted rounds
-// that are not probes; warm-ups not. Once both kinds are known (12
-// rounds; drafted ones also 64 rows: at one row one request's poor drafts
-// would otherwise speak for the next ones), the kind with the higher rate
-// runs, and the other runs 16 rounds in a row (a trial) once it has not run
-// for 16 x 128 x |1 - the rates' ratio| rounds (256 to 2048: a trial costs
-// about 1/128 of the time), so that a gate keeps measuring what it does not
-// use (a factor learned only from the rounds a gate runs keeps the gate
-// where it shut it). Drafting is first measured where the estimate drafts (a
-// trial of drafting where nothing is known cost a batch of 32 on the H100
-// 0.44x: every drafted shape was new there), and later trials of drafting
-// need the estimate at a near miss or better; where it is lower, a probe
-// runs in the trial's place and brings it up to date. 16 undrafted rounds
-// are tried as soon as drafted ones are known. The rates count every cost,
-// those the estimate models and those it does not, on this machine and this
-// traffic; the estimate still prices each round's positions (Alg 1 and the
-// draft length) and decides where no tokens are reported (sampling).
+// confidences' optimism); a gate that follows it there drafts some rounds and
+// not others, and pays each reopening's catch-up. So where rounds report the
+// tokens they emitted (greedy runs), each gate also sums what its rounds of
+// each kind delivered, tokens and seconds, decaying by 1/512 a row: drafted
+// rounds where every row drafts, after such a round (the first after undrafted
+// ones also projects the rows those staged: a cost of switching, not of
+// drafting), and undrafted rounds that are not probes; warm-ups not. Once both
+// kinds are known (12 rounds; drafted ones also 64 rows: at one row one
+// request's poor drafts would otherwise speak for the next ones), the kind with
+// the higher rate runs, and the other runs 16 rounds in a row (a trial) once it
+// has not run for 16 x 128 x |1 - the rates' ratio| rounds (256 to 2048: a
+// trial costs about 1/128 of the time), so that a gate keeps measuring what it
+// does not use (a factor learned only from the rounds a gate runs keeps the
+// gate where it shut it). Drafting is first measured where the estimate drafts
+// (a trial of drafting where nothing is known cost a batch of 32 on the H100
+// 0.44x: every drafted shape was new there), and later trials of drafting need
+// the estimate at a near miss or better; where it is lower, a probe runs in the
+// trial's place and brings it up to date. 16 undrafted rounds are tried as soon
+// as drafted ones are known. The rates count every cost, those the estimate
+// models and those it does not, on this machine and this traffic; the estimate
+// still prices each round's positions (Alg 1 and the draft length) and decides
+// where no tokens are reported (sampling).
 //
 // τ_b is the batch's progress per round. Row r drafting is expected to emit
 // e_r tokens a round (1 + the survival of its verified prefix). While
