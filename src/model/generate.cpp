@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <deque>
 
 #include "core/error.h"
 #include "core/random.h"
@@ -38,38 +37,31 @@ std::vector<GenerateResult> generate_batch(Target& target, std::span<const std::
   const size_t most_active = options.max_active > 0 ? size_t(options.max_active) : prompts.size();
   std::vector<TargetInput> inputs;
   std::vector<size_t> owners;
-  size_t admitted = 0;
   // Admission: every prompt token but the last enters the cache in a
-  // prefill forward, and the request's first step carries the last one.
-  // Requests are prefilled in groups of max_active, in order: the first
-  // group at the start, the next one when a place frees up and no prefilled
-  // request is waiting for one, as speculative decoding admits
-  // (speculative.cpp): a prompt's rows then go through the same forward in
-  // both modes, so that where a row's bits do not depend on the row count
-  // (Target::row_invariant_rows), greedy speculative output is plain output
-  // bit for bit.
-  std::deque<size_t> prefilled;  // requests prefilled and waiting for a place, in order
-  auto prefill_group = [&] {
+  // prefill forward of its group (PrefillGroups, as speculative decoding
+  // admits), and the request's first step carries the last one. A prompt's
+  // rows go through the same forward in both modes, so that where a row's
+  // bits do not depend on the row count (Target::row_invariant_rows), greedy
+  // speculative output is plain output bit for bit.
+  PrefillGroups groups(prompts.size(), most_active);
+  auto prefill_group = [&](size_t first, size_t end) {
     std::vector<TargetInput> prefill;
-    for (size_t n = 0; n < most_active && admitted < prompts.size(); ++n) {
-      const size_t r = admitted++;
+    for (size_t r = first; r < end; ++r) {
       const std::vector<int32_t>& prompt = prompts[r];
       const int capacity = static_cast<int>(
           std::min<long>(config.max_positions, static_cast<long>(prompt.size()) + options.max_new_tokens));
       sequences[r] = target.create_sequence(capacity);
       if (prompt.size() > 1) prefill.push_back({sequences[r], std::span(prompt).first(prompt.size() - 1), false});
-      prefilled.push_back(r);
     }
     TargetResult ignored;  // (the prefill's tokens: the step after it gives the first ones)
     if (!prefill.empty()) target.forward(prefill, TargetRequest{}, ignored);
   };
   auto admit = [&] {
-    while (inputs.size() < most_active && (!prefilled.empty() || admitted < prompts.size())) {
-      if (prefilled.empty()) prefill_group();
-      const size_t r = prefilled.front();
-      prefilled.pop_front();
-      inputs.push_back({sequences[r], std::span(prompts[r]).last(1), false});
-      owners.push_back(r);
+    while (inputs.size() < most_active) {
+      const std::optional<size_t> r = groups.next(prefill_group);
+      if (!r) break;
+      inputs.push_back({sequences[*r], std::span(prompts[*r]).last(1), false});
+      owners.push_back(*r);
     }
   };
   std::vector<double> uniforms(prompts.size());

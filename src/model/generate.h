@@ -2,8 +2,10 @@
 // then one forward per new token. The reference the speculative engine must
 // reproduce exactly at temperature 0.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -38,6 +40,33 @@ struct StepTally {
   void add(const StepTally& other) { forwards += other.forwards, seconds += other.seconds, tokens += other.tokens; }
 };
 
+// The order in which requests take a place under continuous batching, the
+// same in both decode loops: they are prefilled in groups of `group`
+// (max_active), in order, the next group when a place frees up and no
+// prefilled request is waiting for one, so that a prompt's rows go through
+// the same prefill forward in plain and speculative decoding.
+class PrefillGroups {
+ public:
+  PrefillGroups(size_t requests, size_t group) : requests_(requests), group_(group) {}
+  // The next request to take a place, after prefill(first, end) prefilled
+  // requests [first, end) where none was waiting; nothing once all have one.
+  template <class Prefill>
+  std::optional<size_t> next(Prefill&& prefill) {
+    if (taken_ == prefilled_) {
+      if (prefilled_ == requests_) return std::nullopt;
+      const size_t end = std::min(requests_, prefilled_ + group_);
+      prefill(prefilled_, end);
+      prefilled_ = end;
+    }
+    return taken_++;
+  }
+  size_t waiting() const { return requests_ - taken_; }  // requests without a place, prefilled or not
+
+ private:
+  size_t requests_, group_;
+  size_t prefilled_ = 0, taken_ = 0;  // requests [taken_, prefilled_) are prefilled and wait
+};
+
 struct GenerateResult {
   std::vector<int32_t> tokens;   // generated ids, the stopping EOS included
   std::string stop_reason;       // "eos" | "length" | "context"
@@ -46,10 +75,11 @@ struct GenerateResult {
   long forwards = 0;             // decode steps the whole batch ran (the prefill not counted)
   // The whole batch's steps, under continuous batching (max_active > 0),
   // with every place taken (max_active requests in flight): what a server
-  // sustains at that batch size while requests wait. The rest is the tail, where the last requests finish with places
-  // left empty; its length is set by how far apart the last requests end
-  // (plain decoding's requests of one length end together, speculative
-  // decoding's spread out with their acceptance), not by a step's speed.
+  // sustains at that batch size while requests wait. The rest is the tail,
+  // where the last requests finish with places left empty; its length is set
+  // by how far apart the last requests end (plain decoding's requests of one
+  // length end together, speculative decoding's spread out with their
+  // acceptance), not by a step's speed.
   StepTally full_batch;
   // The whole batch's steps that ran a shape for one of its first times
   // (Target::warm_up_runs moved: run eagerly, captured).

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <deque>
 #include <ranges>
 
 #include "core/error.h"
@@ -87,7 +86,6 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   for (const std::vector<int32_t>& prompt : prompts) check_prompt_fits(config, prompt.size());
   DSPARK_CHECK(options.max_active >= 0, "max_active must not be negative");
   const size_t most_active = options.max_active > 0 ? size_t(options.max_active) : prompts.size();
-  size_t admitted = 0;
   // The requests admitted and not done, in admission order: a round looks at
   // these, not at every request admitted so far (at batch 64 of 160 requests
   // the scan of them all took ~2 us a round, ~1% of the round).
@@ -95,30 +93,28 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   const auto start = Clock::now();
 
   // Admission: every prompt token but the last enters the cache (and the
-  // drafter's context) in a prefill forward, the last one being the
-  // request's first pending token; it drafts from its first round. Requests
-  // are prefilled in groups of max_active, in order: the first group at the
-  // start, the next one whenever a place frees up and no prefilled request
-  // is waiting for one (those that find no place yet wait with their caches
-  // kept). One forward a group, not one a request: speculative rows finish
-  // one at a time (their acceptance differs), and a prompt carried in a
-  // round's verify forward makes that forward run eagerly, a shape no graph
-  // has captured (on the H100 at batch 8 such drafted rounds took 0.67 ms
-  // against 0.34), where plain decoding's rows finish together and take
-  // their prompts 8 at a time. Plain decoding (model/generate.cpp) prefills
-  // the same groups, so a prompt's rows go through the same forward in both
-  // modes.
+  // drafter's context) in a prefill forward, the last one being the request's
+  // first pending token; it drafts from its first round. Requests are prefilled
+  // in groups of max_active, in order (PrefillGroups): the first group at the
+  // start, the next one whenever a place frees up and no prefilled request is
+  // waiting for one (those that find no place yet wait with their caches kept).
+  // One forward a group, not one a request: speculative rows finish one at a
+  // time (their acceptance differs), and a prompt carried in a round's verify
+  // forward makes that forward run eagerly, a shape no graph has captured (on
+  // the H100 at batch 8 such drafted rounds took 0.67 ms against 0.34), where
+  // plain decoding's rows finish together and take their prompts 8 at a time.
+  // Plain decoding (model/generate.cpp) prefills the same groups, so a prompt's
+  // rows go through the same forward in both modes.
   std::vector<TargetInput> inputs;
   std::vector<size_t> owners;
-  std::deque<size_t> prefilled;  // requests prefilled and waiting for a place, in order
+  PrefillGroups groups(prompts.size(), most_active);
   TargetRequest prefill_request;
   prefill_request.taps = taps;
   prefill_request.taps_on_device = taps_on_device;
-  auto prefill_group = [&] {
+  auto prefill_group = [&](size_t first, size_t end) {
     inputs.clear();
     owners.clear();
-    for (size_t n = 0; n < most_active && admitted < prompts.size(); ++n, ++admitted) {
-      const size_t r = admitted;
+    for (size_t r = first; r < end; ++r) {
       const auto& prompt = prompts[r];
       Request& request = requests[r];
       request.capacity = static_cast<int>(
@@ -130,7 +126,6 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       request.result.stats.drafted_at.assign(options.gamma, 0);
       request.result.stats.accepted_at.assign(options.gamma, 0);
       source.begin(int(r), prompt, stream_seed(options.seed, int(r), 1));
-      prefilled.push_back(r);
       if (prompt.size() > 1) {
         inputs.push_back({request.sequence, std::span(prompt).first(prompt.size() - 1), false});
         owners.push_back(r);
@@ -146,10 +141,10 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     source.finish_accepts(step);
   };
   auto admit = [&] {
-    while (running.size() < most_active && (!prefilled.empty() || admitted < prompts.size())) {
-      if (prefilled.empty()) prefill_group();
-      running.push_back(prefilled.front());
-      prefilled.pop_front();
+    while (running.size() < most_active) {
+      const std::optional<size_t> r = groups.next(prefill_group);
+      if (!r) break;
+      running.push_back(*r);
     }
   };
   admit();
@@ -212,7 +207,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
     // The scheduler may leave rows undrafted (drafting would not pay): the
     // first `drafting` rows draft, the others take a plain decoding step, their
     // pending token verified alone.
-    const RoundOutlook outlook{active, remaining, int(prompts.size() - admitted + prefilled.size())};
+    const RoundOutlook outlook{active, remaining, int(groups.waiting())};
     const size_t drafting = options.scheduler ? size_t(options.scheduler->rows_to_draft(outlook)) : active.size();
     if (options.scheduler && drafting > 0) {  // the scheduler may also draft fewer positions this round
       const int length = std::clamp(options.scheduler->draft_length(options.gamma), 0, options.gamma);

@@ -79,7 +79,8 @@ struct SpeculativeTiming {
   double undrafted_seconds = 0.0;
   StepTally full_batch;  // under continuous batching, the rounds with every place taken (GenerateResult)
   // Rounds where the target or the source ran a shape for one of its first
-  // times (warm_up_runs moved: run eagerly, captured).
+  // times (warm_up_runs moved: run eagerly, captured), a prefill before the
+  // round included.
   StepTally warm_ups;
   void add(const SpeculativeTiming& other);
 };
