@@ -219,6 +219,56 @@ TEST(CliSpeculative, BenchSpecRunsBothAndReportsAMatch) {
   EXPECT_GE(out["tau"].get<double>(), 1.0);
 }
 
+TEST(CliSpeculative, AWidenedPairDecodesAsTheOriginalPair) {
+  // bench/widen_checkpoint.py widens a target and its drafter with zeros (the
+  // bench's stand-in for a bandwidth-bound target): the golden qwen3 (hidden
+  // 64 -> 256, heads 4 -> 16) and a fresh drafter for it compute what they
+  // did, so the perplexity agrees, greedy tokens are the same, and the widened
+  // drafter accepts what the original accepted, round for round.
+  TemporaryDirectory directory;
+  const std::string target = testing::golden_model("qwen3").string(), drafter = (directory.path / "d").string();
+  ASSERT_EQ(run_dspark({"draft-init", "-m", target, "-o", drafter, "--d-draft", "32", "--layers", "1", "--heads", "4",
+                        "--markov-rank", "8", "--gamma", "4", "--seed", "3"})
+                .exit_code,
+            0);
+  const auto tool = testing::golden_directory() / ".." / ".." / "bench" / "widen_checkpoint.py";
+  const auto wide = directory.path / "wide";
+  const std::string command = "python3 " + testing::shell_quote(tool.string()) + " --factor 2 --target " +
+                              testing::shell_quote(target) + " --drafter " + testing::shell_quote(drafter) + " --out " +
+                              testing::shell_quote(wide.string()) + " >/dev/null 2>&1";
+  ASSERT_EQ(std::system(command.c_str()), 0) << command;
+  const std::string wide_target = (wide / "qwen3-x4").string(), wide_drafter = (wide / "d-x4").string();
+  const ModelConfig config = load_model_config(wide_target);
+  EXPECT_EQ(config.hidden_size, 256);
+  EXPECT_EQ(config.num_heads, 16);
+
+  auto json_of = [](const std::vector<std::string>& arguments) {
+    const auto result = run_dspark(arguments);
+    EXPECT_EQ(result.exit_code, 0) << result.err;
+    return result.exit_code == 0 ? Json::parse(result.out) : Json::object();
+  };
+  const std::string text = (testing::golden_model("qwen3") / "reference" / "perplexity.txt").string();
+  const Json perplexity = json_of({"perplexity", "-m", target, "-f", text, "--json"});
+  const Json wide_perplexity = json_of({"perplexity", "-m", wide_target, "-f", text, "--json"});
+  EXPECT_NEAR(wide_perplexity["nll"].get<double>() / perplexity["nll"].get<double>(), 1.0, 1e-5);
+  const std::string prompt = "import os\nimport sys\nimport os\nimport";
+  for (const bool speculative : {false, true}) {
+    std::vector<std::string> arguments = {"generate", "-p", prompt, "-n", "24", "--ignore-eos", "--json"};
+    auto with = [&](const std::string& model, const std::string& draft) {
+      std::vector<std::string> all = arguments;
+      all.insert(all.end(), {"-m", model});
+      if (speculative) all.insert(all.end(), {"-d", draft});
+      return json_of(all);
+    };
+    const Json original = with(target, drafter), widened = with(wide_target, wide_drafter);
+    EXPECT_EQ(widened["tokens"], original["tokens"]) << "speculative " << speculative;
+    if (speculative) {
+      EXPECT_EQ(widened["stats"]["accepted"], original["stats"]["accepted"]);
+      EXPECT_EQ(widened["stats"]["rounds"], original["stats"]["rounds"]);
+    }
+  }
+}
+
 TEST(CliSpeculative, ADrafterForAnotherTargetIsRefused) {
   TemporaryDirectory directory;
   ASSERT_EQ(run_dspark({"draft-init", "-m", testing::golden_model("llama").string(), "-o", directory.path.string(),
