@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """A Qwen3 target and its DSpark drafter widened with zeros: the same function
-at the cost of a model FACTOR x FACTOR times larger per layer.
+at a larger model's cost. The width (hidden size, heads, MLP) grows by
+FACTOR^2, so each layer's weights grow by FACTOR^4.
 
 Why: the shipped target (19M parameters) is latency-bound on a GPU: a decode
 step reads its 38 MB in ~13 us of a ~140 us step, so every kernel of a drafted
@@ -15,10 +16,11 @@ embedding are zero), new heads attend with zero queries to zero values, so
 every real dimension computes what it did. Only the RMSNorms see more
 dimensions: the mean square over FACTOR^2 d dims of which d are nonzero is
 the old one / FACTOR^2, so their weights are divided by FACTOR (exact in bf16
-and f32: a power of two) and eps by FACTOR^2. (Kept, eps weighed 16x more at
-FACTOR 4 where a small model's residual stream has a mean square of ~1e-3:
-HF logits moved by up to 0.07.) The per-head q / k norms keep head_dim, so
-their eps is now FACTOR^2 smaller, against mean squares of ~1.
+and f32: a power of two) and eps by FACTOR^2 (kept, it would weigh FACTOR^2
+times more, and where a small model's residual stream has a mean square of
+~1e-3 that moved HF's logits by up to 0.07 at FACTOR 4). The per-head q / k
+norms keep head_dim, so their eps is FACTOR^2 smaller, against mean squares
+of ~1.
 The GPU reads every zero like any weight, so the widened model costs what a
 model of its shape costs, and the drafter accepts what it accepted on the
 original. Greedy outputs can still differ from the original's where two
@@ -220,7 +222,7 @@ def widen_target(source, out, factor):
         if name.startswith("tokenizer") or name == "generation_config.json":
             shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
     atomic_write_text(os.path.join(out, "config.json"), json.dumps(wide, indent=2) + "\n")
-    return d, config["num_hidden_layers"]
+    return d
 
 
 def widen_drafter(source, out, target_out, factor, d):
@@ -233,12 +235,16 @@ def widen_drafter(source, out, target_out, factor, d):
     path = os.path.join(source, "model.safetensors")
     header, start = read_header(path)
     taps = len(meta["config"]["tapLayers"])
+    expected = {"W_c": (0, taps * d), "tok_proj": (0, d), "out_proj": (1, d)}  # the dimension that is the target's
     tensors = []
     for name in sorted(header):
         if name == "__metadata__":
             continue
         dtype, shape, data = read_tensor(path, header, start, name)
         rows = split_rows(dtype, shape, data)
+        if name in expected and shape[expected[name][0]] != expected[name][1]:
+            sys.exit(f"{path}: {name} has shape {shape}; a drafter for hidden size {d} with {taps} taps has "
+                     f"{expected[name][1]} in dimension {expected[name][0]}")
         if name == "W_c":
             tensors.append((name, Widened(dtype, [taps * d * grow, shape[1]], rows,
                                           lambda i: (i // d) * d * grow + i % d)))
@@ -266,7 +272,7 @@ def main():
         sys.exit("--factor must be a power of two, 2 or more (the norm weights are divided by it exactly)")
     grow = args.factor * args.factor
     target_out = os.path.join(args.out, f"{os.path.basename(os.path.normpath(args.target))}-x{grow}")
-    d, _ = widen_target(args.target, target_out, args.factor)
+    d = widen_target(args.target, target_out, args.factor)
     print(target_out)
     if args.drafter:
         drafter_out = os.path.join(args.out, f"{os.path.basename(os.path.normpath(args.drafter))}-x{grow}")
