@@ -253,7 +253,7 @@ def widen_drafter(source, out, target_out, factor, d):
         elif name == "out_proj":
             tensors.append((name, Widened(dtype, [shape[0], d * grow], rows)))
         else:
-            tensors.append((name, Widened(dtype, list(shape), rows if len(shape) == 2 else [data])))
+            tensors.append((name, Widened(dtype, list(shape), rows)))
     os.makedirs(out, exist_ok=True)
     write_checkpoint(os.path.join(out, "model.safetensors"), tensors, header.get("__metadata__", {}))
     meta["dims"]["hiddenSize"] = d * grow

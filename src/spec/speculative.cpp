@@ -169,9 +169,11 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   std::vector<int32_t> emitted;
   std::vector<float> target_probs;
   std::vector<int32_t> order;
+  // Shapes run for one of their first times so far (eagerly, or captured), by the target and the source.
+  const auto warm_up_runs = [&] { return target.warm_up_runs() + source.warm_up_runs(); };
   while (true) {
     const auto iteration_start = Clock::now();  // (a round runs from here to the next one's start)
-    const long iteration_warm_ups = target.warm_up_runs() + source.warm_up_runs();
+    const long iteration_warm_ups = warm_up_runs();
     admit();  // places freed by the last round go to waiting requests
     active.clear();
     limits.clear();
@@ -214,7 +216,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       for (size_t i = 0; i < drafting; ++i) limits[i] = std::min(limits[i], length);
     }
     proposals.clear();
-    const long warm_ups = target.warm_up_runs() + source.warm_up_runs();
+    const long warm_ups = warm_up_runs();
     const auto round_start = Clock::now();
     if (drafting > 0)
       source.propose(std::span(active).first(drafting), std::span(pending).first(drafting),
@@ -322,7 +324,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       request.pending = verdict.next;
     }
     source.finish_accepts(step);  // before the next forward may overwrite the taps
-    const bool warming_up = target.warm_up_runs() + source.warm_up_runs() != warm_ups;
+    const bool warming_up = warm_up_runs() != warm_ups;
     // Round times steer the scheduler only at temperature 0: when sampling,
     // its decisions choose which random numbers are drawn, and a seeded run
     // must repeat exactly, which a clock cannot.
@@ -343,8 +345,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
       const double iteration_seconds = std::chrono::duration<double>(round_done - iteration_start).count();
       if (full_batch) timing->full_batch.add_step(iteration_seconds, round_tokens);
       // (A prefill before the round counts: it is in the round's time.)
-      if (target.warm_up_runs() + source.warm_up_runs() != iteration_warm_ups)
-        timing->warm_ups.add_step(iteration_seconds, round_tokens);
+      if (warm_up_runs() != iteration_warm_ups) timing->warm_ups.add_step(iteration_seconds, round_tokens);
     }
   }
   if (timing) {
