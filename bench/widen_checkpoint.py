@@ -180,39 +180,37 @@ def widen_target(source, out, factor):
     path = os.path.join(source, "model.safetensors")
     header, start = read_header(path)
 
+    # Each returns (name, the widened tensor).
     def matrix(name, rows, columns):
         dtype, shape, data = read_tensor(path, header, start, name)
-        return Widened(dtype, [rows, columns], split_rows(dtype, shape, data))
+        return name, Widened(dtype, [rows, columns], split_rows(dtype, shape, data))
 
     def norm(name, size):
         dtype, shape, data = read_tensor(path, header, start, name)
-        return Widened(dtype, [size], [scaled(dtype, data, factor)])
+        return name, Widened(dtype, [size], [scaled(dtype, data, factor)])
 
     def kept(name):  # the per-head q / k norms: head_dim is kept
         dtype, shape, data = read_tensor(path, header, start, name)
-        return Widened(dtype, list(shape), [data])
+        return name, Widened(dtype, list(shape), [data])
 
-    tensors = [("model.embed_tokens.weight", matrix("model.embed_tokens.weight", config["vocab_size"], d * grow))]
+    wide_d, q_rows, kv_rows = d * grow, heads * grow * head_dim, kv_heads * grow * head_dim
+    tensors = [matrix("model.embed_tokens.weight", config["vocab_size"], wide_d)]
     for layer in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{layer}."
         tensors += [
-            (prefix + "input_layernorm.weight", norm(prefix + "input_layernorm.weight", d * grow)),
-            (prefix + "self_attn.q_proj.weight", matrix(prefix + "self_attn.q_proj.weight", heads * grow * head_dim,
-                                                        d * grow)),
-            (prefix + "self_attn.k_proj.weight", matrix(prefix + "self_attn.k_proj.weight",
-                                                        kv_heads * grow * head_dim, d * grow)),
-            (prefix + "self_attn.v_proj.weight", matrix(prefix + "self_attn.v_proj.weight",
-                                                        kv_heads * grow * head_dim, d * grow)),
-            (prefix + "self_attn.q_norm.weight", kept(prefix + "self_attn.q_norm.weight")),
-            (prefix + "self_attn.k_norm.weight", kept(prefix + "self_attn.k_norm.weight")),
-            (prefix + "self_attn.o_proj.weight", matrix(prefix + "self_attn.o_proj.weight", d * grow,
-                                                        heads * grow * head_dim)),
-            (prefix + "post_attention_layernorm.weight", norm(prefix + "post_attention_layernorm.weight", d * grow)),
-            (prefix + "mlp.gate_proj.weight", matrix(prefix + "mlp.gate_proj.weight", inner * grow, d * grow)),
-            (prefix + "mlp.up_proj.weight", matrix(prefix + "mlp.up_proj.weight", inner * grow, d * grow)),
-            (prefix + "mlp.down_proj.weight", matrix(prefix + "mlp.down_proj.weight", d * grow, inner * grow)),
+            norm(prefix + "input_layernorm.weight", wide_d),
+            matrix(prefix + "self_attn.q_proj.weight", q_rows, wide_d),
+            matrix(prefix + "self_attn.k_proj.weight", kv_rows, wide_d),
+            matrix(prefix + "self_attn.v_proj.weight", kv_rows, wide_d),
+            kept(prefix + "self_attn.q_norm.weight"),
+            kept(prefix + "self_attn.k_norm.weight"),
+            matrix(prefix + "self_attn.o_proj.weight", wide_d, q_rows),
+            norm(prefix + "post_attention_layernorm.weight", wide_d),
+            matrix(prefix + "mlp.gate_proj.weight", inner * grow, wide_d),
+            matrix(prefix + "mlp.up_proj.weight", inner * grow, wide_d),
+            matrix(prefix + "mlp.down_proj.weight", wide_d, inner * grow),
         ]
-    tensors.append(("model.norm.weight", norm("model.norm.weight", d * grow)))
+    tensors.append(norm("model.norm.weight", wide_d))
     unknown = set(header) - {"__metadata__"} - {name for name, _ in tensors}
     if unknown:
         sys.exit(f"{path}: tensors this tool does not widen: {sorted(unknown)[:5]}")
