@@ -343,6 +343,8 @@ TEST_F(ContinuousBatching, FullBatchCountsTheForwardsWithEveryPlaceTaken) {
     if (max_active == 0) {
       EXPECT_EQ(plain_full.forwards, 0);
       EXPECT_EQ(timing.full_batch.forwards, 0);
+      EXPECT_EQ(plain_results[0].admission_prefill_seconds, 0.0);  // every prompt prefilled at the start
+      EXPECT_EQ(timing.admission_prefill_seconds, 0.0);
       continue;
     }
     EXPECT_EQ(plain_full.forwards, full_forwards(plain)) << what;
@@ -357,6 +359,11 @@ TEST_F(ContinuousBatching, FullBatchCountsTheForwardsWithEveryPlaceTaken) {
     EXPECT_GT(plain_full.seconds, 0.0);
     EXPECT_GT(timing.full_batch.seconds, 0.0);
     EXPECT_LE(timing.full_batch.seconds, timing.decode_seconds);
+    // the later groups' prefills, inside the decode time
+    EXPECT_GT(plain_results[0].admission_prefill_seconds, 0.0);
+    EXPECT_LT(plain_results[0].admission_prefill_seconds, plain_results[0].decode_seconds);
+    EXPECT_GT(timing.admission_prefill_seconds, 0.0);
+    EXPECT_LT(timing.admission_prefill_seconds, timing.decode_seconds);
   }
 }
 

@@ -351,6 +351,7 @@ void run_bench_spec(const BenchSpecFlags& flags) {
     return Json{{"draft", 1e3 * timing.draft_seconds / rounds},
                 {"verify", 1e3 * timing.verify_seconds / rounds},
                 {"accept", 1e3 * timing.accept_seconds / rounds},
+                {"admission_prefill", 1e3 * timing.admission_prefill_seconds / rounds},
                 {"total", 1e3 * timing.decode_seconds / rounds}};
   };
   auto mode_json = [&](const Point& point, const TimedDecoding& mode) {
@@ -387,6 +388,7 @@ void run_bench_spec(const BenchSpecFlags& flags) {
                 {"requests", point.requests},
                 {"plain_tokens_per_s", point.plain.tokens_per_s()},
                 {"plain_prefill_ms", 1e3 * point.plain.prefill_seconds},
+                {"plain_admission_prefill_ms", 1e3 * point.plain.admission_prefill_seconds},
                 {"plain_steps", point.plain.steps},
                 {"plain_ms_per_step",
                  1e3 * (point.plain.seconds - point.plain.prefill_seconds) / std::max<long>(point.plain.steps, 1)},

@@ -72,6 +72,9 @@ struct GenerateResult {
   std::string stop_reason;       // "eos" | "length" | "context"
   double prefill_seconds = 0.0;  // the prefill of the prompts admitted at once (all their tokens but the last)
   double decode_seconds = 0.0;   // everything after it, later admissions' prompts included
+  // The part of decode_seconds spent prefilling the requests admitted later
+  // (continuous batching), which a step's time would otherwise hide.
+  double admission_prefill_seconds = 0.0;
   long forwards = 0;             // decode steps the whole batch ran (the prefill not counted)
   // The whole batch's steps, under continuous batching (max_active > 0),
   // with every place taken (max_active requests in flight): what a server

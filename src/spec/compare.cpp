@@ -13,6 +13,7 @@ void timed_plain_decoding(Target& target, std::span<const std::vector<int32_t>> 
   if (!record || results.empty()) return;
   record->seconds += results[0].prefill_seconds + results[0].decode_seconds;  // one clock for the whole batch
   record->prefill_seconds += results[0].prefill_seconds;
+  record->admission_prefill_seconds += results[0].admission_prefill_seconds;
   record->steps += results[0].forwards;
   record->full_batch.add(results[0].full_batch);
   record->warm_ups.add(results[0].warm_ups);

@@ -29,6 +29,7 @@ namespace dspark {
 struct TimedDecoding {
   double seconds = 0.0;                       // prefill + decode, summed over passes
   double prefill_seconds = 0.0;               // the prompts' forwards, summed over passes
+  double admission_prefill_seconds = 0.0;     // plain: the part of `seconds` prefilling later admissions
   long steps = 0;                             // plain: decoding steps (the prefill not counted)
   long tokens = 0;                            // generated tokens (stopping EOS included)
   long matched = 0;                           // speculative: outputs identical to the reference

@@ -40,6 +40,7 @@ void SpeculativeTiming::add(const SpeculativeTiming& other) {
   draft_seconds += other.draft_seconds;
   verify_seconds += other.verify_seconds;
   accept_seconds += other.accept_seconds;
+  admission_prefill_seconds += other.admission_prefill_seconds;
   undrafted_rounds += other.undrafted_rounds;
   undrafted_seconds += other.undrafted_seconds;
   full_batch.add(other.full_batch);
@@ -174,7 +175,10 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   while (true) {
     const auto iteration_start = Clock::now();  // (a round runs from here to the next one's start)
     const long iteration_warm_ups = warm_up_runs();
+    const size_t carried = running.size();
     admit();  // places freed by the last round go to waiting requests
+    if (timing && running.size() > carried)  // (a request taken in is prefilled with its group, or was)
+      timing->admission_prefill_seconds += std::chrono::duration<double>(Clock::now() - iteration_start).count();
     active.clear();
     limits.clear();
     remaining.clear();
