@@ -74,7 +74,6 @@ std::vector<GenerateResult> generate_batch(Target& target, std::span<const std::
   // A step runs from its forward's start to the next one's (a prefill
   // between them included); one with every place taken counts in full_batch.
   StepTally full_batch, warm_ups;
-  double admission_prefill_seconds = 0.0;
   Clock::time_point step_start;
   long step_tokens = -1;   // the step in flight's tokens (-1: none in flight)
   bool step_full = false;  // ... whether every place is taken in it
@@ -130,11 +129,7 @@ std::vector<GenerateResult> generate_batch(Target& target, std::span<const std::
     }
     inputs = std::move(next_inputs);
     owners = std::move(next_owners);
-    const auto admission_start = Clock::now();
-    const size_t carried = inputs.size();
     admit();
-    if (inputs.size() > carried)  // (a request taken in is prefilled with its group, or was)
-      admission_prefill_seconds += std::chrono::duration<double>(Clock::now() - admission_start).count();
     if (!inputs.empty()) forward();
   }
   const auto decode_done = Clock::now();
@@ -143,7 +138,7 @@ std::vector<GenerateResult> generate_batch(Target& target, std::span<const std::
   for (GenerateResult& result : results) {
     result.prefill_seconds = prefill_seconds;
     result.decode_seconds = decode_seconds;
-    result.admission_prefill_seconds = admission_prefill_seconds;
+    result.admission_prefill_seconds = groups.later_prefill_seconds();
     result.forwards = forwards;
     result.full_batch = full_batch;
     result.warm_ups = warm_ups;

@@ -3,6 +3,7 @@
 // reproduce exactly at temperature 0.
 #pragma once
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -55,16 +56,23 @@ class PrefillGroups {
     if (taken_ == prefilled_) {
       if (prefilled_ == requests_) return std::nullopt;
       const size_t end = std::min(requests_, prefilled_ + group_);
+      const auto start = std::chrono::steady_clock::now();
       prefill(prefilled_, end);
+      if (prefilled_ > 0)
+        later_prefill_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       prefilled_ = end;
     }
     return taken_++;
   }
   size_t waiting() const { return requests_ - taken_; }  // requests without a place, prefilled or not
+  // Seconds in prefill() for every group but the first (the one admitted at
+  // the start): what later admissions add to the decode loop.
+  double later_prefill_seconds() const { return later_prefill_seconds_; }
 
  private:
   size_t requests_, group_;
   size_t prefilled_ = 0, taken_ = 0;  // requests [taken_, prefilled_) are prefilled and wait
+  double later_prefill_seconds_ = 0.0;
 };
 
 struct GenerateResult {

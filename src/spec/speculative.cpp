@@ -175,10 +175,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   while (true) {
     const auto iteration_start = Clock::now();  // (a round runs from here to the next one's start)
     const long iteration_warm_ups = warm_up_runs();
-    const size_t carried = running.size();
     admit();  // places freed by the last round go to waiting requests
-    if (timing && running.size() > carried)  // (a request taken in is prefilled with its group, or was)
-      timing->admission_prefill_seconds += std::chrono::duration<double>(Clock::now() - iteration_start).count();
     active.clear();
     limits.clear();
     remaining.clear();
@@ -355,6 +352,7 @@ std::vector<SpeculativeResult> speculative_generate(Target& target, DraftSource&
   if (timing) {
     timing->prefill_seconds = std::chrono::duration<double>(prefill_done - start).count();
     timing->decode_seconds = std::chrono::duration<double>(Clock::now() - prefill_done).count();
+    timing->admission_prefill_seconds = groups.later_prefill_seconds();
   }
   std::vector<SpeculativeResult> results;
   for (Request& request : requests) results.push_back(std::move(request.result));
