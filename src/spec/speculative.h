@@ -73,7 +73,7 @@ struct SpeculativeTiming {
   double draft_seconds = 0.0;   // propose (extending the drafter's context first) and the schedule
   double verify_seconds = 0.0;  // the target's verify forwards
   double accept_seconds = 0.0;  // verdicts, rollbacks, accepts and finish_accepts
-  double admission_prefill_seconds = 0.0;  // prefills of the requests admitted after the first round
+  double admission_prefill_seconds = 0.0;  // prefills of every group admitted after the first (PrefillGroups)
   // Rounds where no row drafted (each row's pending token alone, as a plain
   // step), and their time: what such a round costs beside a plain step.
   long undrafted_rounds = 0;
