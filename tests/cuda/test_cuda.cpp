@@ -396,6 +396,74 @@ TEST(CudaOps, PagedAttentionMatchesCpu) {
   }
 }
 
+// A step with many rows, kv heads and splits gives each CTA several
+// consecutive splits (attention.cu's split_group), one with few rows a CTA per
+// split; every split is reduced alone either way, so a query row has the same
+// bits in both: here a decode row alone (one CTA per split) and the same row
+// as the first of an 8-token verify block beside 7 other sequences (many
+// splits a CTA), and both within bf16 rounding of the CPU.
+TEST(CudaOps, AttentionGivesARowItsBitsWhateverTheSplitsPerBlock) {
+  const int heads = 32, kv_heads = 8, head_dim = 64, length = 500, block_q = 8, sequences = 8;
+  const int stride = kv_heads * head_dim, max_blocks = (length + cuda::kBlockSize - 1) / cuda::kBlockSize;
+  const int splits = 16;  // covers 512 positions, at least `length`
+  // One sequence's cache (blocks 0..max_blocks-1 in reverse order), read by every sequence of the batch.
+  const auto keys = bf16_rounded(random_values(long(max_blocks) * cuda::kBlockSize * stride, 70));
+  const auto values = bf16_rounded(random_values(keys.size(), 71));
+  std::vector<int32_t> table(max_blocks);
+  for (int b = 0; b < max_blocks; ++b) table[b] = max_blocks - 1 - b;
+  const auto q = bf16_rounded(random_values(long(sequences) * block_q * heads * head_dim, 72));
+  auto keys_device = to_device_bf16(keys), values_device = to_device_bf16(values), q_device = to_device_bf16(q);
+  auto table_device = to_device(table);
+  auto run = [&](int count, int query_length, int sequence_length) {
+    std::vector<int32_t> starts(count), query_lengths(count, query_length), lengths(count, sequence_length),
+        rows(count, 0);
+    for (int s = 0; s < count; ++s) starts[s] = s * query_length;
+    auto starts_device = to_device(starts), query_lengths_device = to_device(query_lengths);
+    auto lengths_device = to_device(lengths), rows_device = to_device(rows);
+    const cuda::AttentionBatch batch{starts_device.data(), query_lengths_device.data(), lengths_device.data(),
+                                     rows_device.data(),   table_device.data(),         max_blocks,
+                                     count,                query_length};
+    const int total_rows = count * query_length;
+    DeviceBuffer<bf16> out(long(total_rows) * heads * head_dim);
+    DeviceBuffer<float> partial_out(long(splits) * total_rows * heads * head_dim),
+        partial_lse(long(splits) * total_rows * heads);
+    auto counters =
+        to_device(std::vector<unsigned>(cuda::attention_counters(count, query_length, heads, kv_heads), 0));
+    cuda::attention_forward(out.data(), q_device.data(), keys_device.data(), values_device.data(), batch, total_rows,
+                            heads, kv_heads, head_dim, splits, partial_out.data(), partial_lse.data(),
+                            counters.data(), nullptr);
+    EXPECT_EQ(from_device(counters), std::vector<unsigned>(counters.size(), 0)) << "left for the next call";
+    return from_device(out);
+  };
+  // The decode row: query 0 at position length - block_q, its keys 0..length - block_q.
+  const auto alone = run(1, 1, length - block_q + 1);
+  const auto in_batch = run(sequences, block_q, length);
+  const std::vector<float> first_row(in_batch.begin(), in_batch.begin() + heads * head_dim);
+  EXPECT_EQ(first_row, alone);
+  // The CPU reads the keys and values in position order.
+  std::vector<float> ordered_keys(long(length) * stride), ordered_values(ordered_keys.size());
+  for (int p = 0; p < length; ++p) {
+    const long slot = long(table[p / cuda::kBlockSize]) * cuda::kBlockSize + p % cuda::kBlockSize;
+    std::copy_n(keys.data() + slot * stride, stride, ordered_keys.data() + long(p) * stride);
+    std::copy_n(values.data() + slot * stride, stride, ordered_values.data() + long(p) * stride);
+  }
+  std::vector<float> expected(heads * head_dim), scores(length);
+  cpu::attention_forward(expected.data(), q.data(), ordered_keys.data(), ordered_values.data(), 1, length - block_q,
+                         heads, kv_heads, head_dim, scores.data());
+  EXPECT_LE(relative_error(alone.data(), expected.data(), expected.size()), kBf16Tolerance);
+  // Every row of the batch against the CPU (sequence s's queries, the same keys).
+  std::vector<float> block_expected(block_q * heads * head_dim);
+  for (int s = 0; s < sequences; ++s) {
+    cpu::attention_forward(block_expected.data(), q.data() + long(s) * block_q * heads * head_dim,
+                           ordered_keys.data(), ordered_values.data(), block_q, length - block_q, heads, kv_heads,
+                           head_dim, scores.data());
+    EXPECT_LE(relative_error(in_batch.data() + long(s) * block_q * heads * head_dim, block_expected.data(),
+                             block_expected.size()),
+              kBf16Tolerance)
+        << "sequence " << s;
+  }
+}
+
 // Decode and verify steps run the q/k norm, RoPE and the cache append inside
 // the attention kernel (AttentionRope): its outputs and the cache it leaves
 // must be those of the RoPE kernel followed by the attention, bit for bit,

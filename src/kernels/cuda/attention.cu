@@ -19,20 +19,22 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kRowsPerWarp = kAttentionRowsPerBlock / kWarps;
 
-// grid: x = KV split, y = kv head, z = sequence * row_blocks + row block.
-// Each CTA streams its KV range tile by tile (kBlockSize positions, one cache
-// block) through shared memory; each warp keeps an online softmax for
-// kRowsPerWarp query rows, lane j scoring key j of the tile and owning
-// head_dim/32 output dims.
+// grid: x = group of split_group KV splits, y = kv head, z = sequence *
+// row_blocks + row block. Each CTA streams its KV range tile by tile
+// (kBlockSize positions, one cache block) through shared memory, the next
+// tile's loads in flight while it scores the current one; each warp keeps an
+// online softmax for kRowsPerWarp query rows, lane j scoring key j of the tile
+// and owning head_dim/32 output dims.
 // ROPE: the step's queries, keys and values come from the QKV GEMM's output
 // (AttentionRope), normed and rotated here, instead of from q and the cache.
 // Four CTAs per SM (64 registers): a 16-token verify step's 512 CTAs at 8B
 // (8 splits at 256 positions) then run in one wave.
+constexpr int kAttentionBlocksPerMultiprocessor = 4;
 template <int HEAD_DIM, bool ROPE>
-__global__ void __launch_bounds__(kWarps * 32, 4)
+__global__ void __launch_bounds__(kWarps * 32, kAttentionBlocksPerMultiprocessor)
     attention_kernel(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_cache, AttentionBatch batch,
-                     int heads, int kv_heads, int splits, int row_blocks, float* partial_out, float* partial_lse,
-                     unsigned* counters, int total_rows, AttentionRope rope) {
+                     int heads, int kv_heads, int splits, int split_group, int row_blocks, float* partial_out,
+                     float* partial_lse, unsigned* counters, int total_rows, AttentionRope rope) {
   // Before the wait, this CTA reads what no kernel of this step writes: the
   // step's metadata and block tables (copied in before its first kernel) and
   // the cache rows of positions before the step's own tokens (written by
@@ -49,7 +51,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   __shared__ __align__(16) bf16 values[kBlockSize][HEAD_DIM + kPad];
   __shared__ float queries[kAttentionRowsPerBlock][HEAD_DIM];
   const int sequence = blockIdx.z / row_blocks, row_block = blockIdx.z % row_blocks;
-  const int kv_head = blockIdx.y, split = blockIdx.x;
+  const int kv_head = blockIdx.y;
   const int group = heads / kv_heads;
   const int query_length = batch.query_length[sequence];
   const int rows = query_length * group;  // (query token, head in group) pairs of this kv head
@@ -70,8 +72,11 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   // same order whatever else the step holds (a 1-token decode, a verify block,
   // other sequences), so decode and verify agree to the bit.
   // One split: the whole range (a prefill chunk, whose many rows fill the GPU).
-  const int tile_begin = splits == 1 ? 0 : split * kSplitTiles;
-  const int tile_end = splits == 1 ? tiles : min(tiles, tile_begin + kSplitTiles);
+  // This CTA's splits: [first_split, end_split), each reduced on its own (its
+  // softmax state restarted, its partial written) as if a CTA of its own had.
+  const int first_split = blockIdx.x * split_group, end_split = min(splits, first_split + split_group);
+  const int tile_begin = splits == 1 ? 0 : first_split * kSplitTiles;
+  const int tile_end = splits == 1 ? tiles : min(tiles, end_split * kSplitTiles);
   // A tile (one cache block: kBlockSize consecutive slots) moves through
   // registers: 16-byte loads, all issued before the first store into the
   // padded shared rows. Vector i of the tile is row i / kVectorsPerRow.
@@ -140,13 +145,41 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
 #pragma unroll
     for (int d = 0; d < kDimsPerLane; ++d) accumulator[r][d] = 0.0f;
   }
-  for (int tile = tile_begin; tile < tile_end; ++tile) {
-    if (tile != tile_begin) {
-      __syncthreads();  // the previous tile is no longer read
-      const long slot0 = static_cast<long>(blocks[tile]) * kBlockSize;
-      load_tile(slot0, tile, 0, ROPE ? first_query_position : INT_MAX);
-      if (ROPE) load_tile(slot0, tile, length, INT_MAX);
+  // This warp's r-th row of `out` (its query token and head), or -1 past the block's rows.
+  auto out_row_of = [&](int r) -> long {
+    const int row = first_row + r * kWarps + warp;
+    return row < rows ? static_cast<long>(query_start + row / group) * heads + kv_head * group + row % group : -1;
+  };
+  // A split's result: `out` itself when there is one split, else its partial
+  // (normalized output and log-sum-exp, -inf when no key was visible); the
+  // softmax state restarts for the next.
+  auto finish_split = [&](int split) {
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      const long out_row = out_row_of(r);
+      if (out_row < 0) continue;
+      const float inverse = running_sum[r] > 0.0f ? 1.0f / running_sum[r] : 0.0f;
+#pragma unroll
+      for (int d = 0; d < kDimsPerLane; ++d) {
+        const int dim = lane * kDimsPerLane + d;
+        if (dim >= HEAD_DIM) continue;
+        if (splits == 1)
+          out[out_row * HEAD_DIM + dim] = __float2bfloat16(accumulator[r][d] * inverse);
+        else
+          partial_out[(static_cast<long>(split) * total_rows * heads + out_row) * HEAD_DIM + dim] =
+              accumulator[r][d] * inverse;
+      }
+      if (splits > 1 && lane == 0)
+        partial_lse[static_cast<long>(split) * total_rows * heads + out_row] =
+            running_sum[r] > 0.0f ? running_max[r] + __logf(running_sum[r]) : -INFINITY;
+      running_max[r] = -INFINITY;
+      running_sum[r] = 0.0f;
+#pragma unroll
+      for (int d = 0; d < kDimsPerLane; ++d) accumulator[r][d] = 0.0f;
     }
+  };
+  for (int tile = tile_begin; tile < tile_end; ++tile) {
+    if (tile != tile_begin) __syncthreads();  // the previous tile is no longer read
     const int tile_first = tile * kBlockSize;
 #pragma unroll
     for (int j = 0; j < kVectorsPerThread; ++j) {
@@ -188,6 +221,11 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
       }
     }
     __syncthreads();
+    if (tile + 1 < tile_end) {  // the next tile's loads, in flight while this one is scored
+      const long slot0 = static_cast<long>(blocks[tile + 1]) * kBlockSize;
+      load_tile(slot0, tile + 1, 0, ROPE ? first_query_position : INT_MAX);
+      if (ROPE) load_tile(slot0, tile + 1, length, INT_MAX);
+    }
     const int key_position = tile * kBlockSize + lane;
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
@@ -234,32 +272,15 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
         }
       }
     }
+    if (splits > 1 && ((tile + 1) % kSplitTiles == 0 || tile + 1 == tile_end)) finish_split(tile / kSplitTiles);
   }
-  // This warp's r-th row of `out` (its query token and head), or -1 past the block's rows.
-  auto out_row_of = [&](int r) -> long {
-    const int row = first_row + r * kWarps + warp;
-    return row < rows ? static_cast<long>(query_start + row / group) * heads + kv_head * group + row % group : -1;
-  };
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    const long out_row = out_row_of(r);
-    if (out_row < 0) continue;
-    const float inverse = running_sum[r] > 0.0f ? 1.0f / running_sum[r] : 0.0f;
-#pragma unroll
-    for (int d = 0; d < kDimsPerLane; ++d) {
-      const int dim = lane * kDimsPerLane + d;
-      if (dim >= HEAD_DIM) continue;
-      if (splits == 1)
-        out[out_row * HEAD_DIM + dim] = __float2bfloat16(accumulator[r][d] * inverse);
-      else
-        partial_out[(static_cast<long>(split) * total_rows * heads + out_row) * HEAD_DIM + dim] =
-            accumulator[r][d] * inverse;
-    }
-    if (splits > 1 && lane == 0)
-      partial_lse[static_cast<long>(split) * total_rows * heads + out_row] =
-          running_sum[r] > 0.0f ? running_max[r] + __logf(running_sum[r]) : -INFINITY;
+  if (splits == 1) {
+    finish_split(0);
+    return;
   }
-  if (splits == 1) return;
+  // Splits past the last visible tile: no key (lse -inf, which the merge skips).
+  for (int split = tile_end > tile_begin ? (tile_end - 1) / kSplitTiles + 1 : first_split; split < end_split; ++split)
+    finish_split(split);
 
   // The last split of this (sequence, kv head, row block) to finish merges
   // them all, softmax-weighted by each split's log-sum-exp: a warp per row, a
@@ -267,7 +288,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4)
   // the merge kernel this replaces, which ended 2.6-2.9 us after this kernel
   // in every step and layer (kernel trace, H100).
   unsigned* counter = counters + static_cast<long>(blockIdx.z) * gridDim.y + blockIdx.y;
-  if (!took_last_ticket(counter, splits)) return;
+  if (!took_last_ticket(counter, gridDim.x)) return;
   const long row_heads = static_cast<long>(total_rows) * heads;
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
@@ -304,10 +325,26 @@ void launch(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_c
             int total_rows, int heads, int kv_heads, int splits, float* partial_out, float* partial_lse,
             unsigned* counters, cudaStream_t stream, const AttentionRope* rope) {
   const int row_blocks = attention_row_blocks(batch.max_query_length, heads, kv_heads);
-  const dim3 grid(splits, kv_heads, batch.sequences * row_blocks);
+  // A CTA per split would run many short waves when a step has many rows, kv
+  // heads and positions (x16 pair, batch-4 verify of 32 tokens at ~500
+  // positions: 6144 CTAs of one 32-key tile each, 12 waves, 45 us a layer on
+  // the H100 against 15 for batch 1's 8 tokens): a CTA takes a power of two
+  // of consecutive splits, so that they fit in one wave (measured, stop 51:
+  // batch 4's round 66 us shorter on the H100). Each split is reduced as
+  // before, so the bits do not change. Where one split's CTAs alone overflow
+  // a wave (batch x kv heads x row blocks > resident CTAs: an x16 verify from
+  // batch 8, its decode from batch 17), the grid stays a CTA per split: how
+  // many splits a CTA should take against how many waves run there is not
+  // measured yet.
+  static const long resident = static_cast<long>(multiprocessor_count()) * kAttentionBlocksPerMultiprocessor;
+  const long blocks_per_split = static_cast<long>(kv_heads) * batch.sequences * row_blocks;
+  int split_group = 1;
+  if (blocks_per_split <= resident)
+    while (ceil_div(splits, split_group) * blocks_per_split > resident) split_group *= 2;
+  const dim3 grid(ceil_div(splits, split_group), kv_heads, batch.sequences * row_blocks);
   launch_dependent(rope ? attention_kernel<HEAD_DIM, true> : attention_kernel<HEAD_DIM, false>, grid, kWarps * 32, 0,
-                   stream, out, q, key_cache, value_cache, batch, heads, kv_heads, splits, row_blocks, partial_out,
-                   partial_lse, counters, total_rows, rope ? *rope : AttentionRope{});
+                   stream, out, q, key_cache, value_cache, batch, heads, kv_heads, splits, split_group, row_blocks,
+                   partial_out, partial_lse, counters, total_rows, rope ? *rope : AttentionRope{});
   CUDA_CHECK_LAUNCH();
 }
 
