@@ -420,18 +420,22 @@ TEST(CudaOps, AttentionGivesARowItsBitsWhateverTheSplitsPerBlock) {
     for (int s = 0; s < count; ++s) starts[s] = s * query_length;
     auto starts_device = to_device(starts), query_lengths_device = to_device(query_lengths);
     auto lengths_device = to_device(lengths), rows_device = to_device(rows);
-    const cuda::AttentionBatch batch{starts_device.data(), query_lengths_device.data(), lengths_device.data(),
-                                     rows_device.data(),   table_device.data(),         max_blocks,
-                                     count,                query_length};
+    const cuda::AttentionBatch batch{starts_device.data(),
+                                     query_lengths_device.data(),
+                                     lengths_device.data(),
+                                     rows_device.data(),
+                                     table_device.data(),
+                                     max_blocks,
+                                     count,
+                                     query_length};
     const int total_rows = count * query_length;
     DeviceBuffer<bf16> out(long(total_rows) * heads * head_dim);
     DeviceBuffer<float> partial_out(long(splits) * total_rows * heads * head_dim),
         partial_lse(long(splits) * total_rows * heads);
-    auto counters =
-        to_device(std::vector<unsigned>(cuda::attention_counters(count, query_length, heads, kv_heads), 0));
+    auto counters = to_device(std::vector<unsigned>(cuda::attention_counters(count, query_length, heads, kv_heads), 0));
     cuda::attention_forward(out.data(), q_device.data(), keys_device.data(), values_device.data(), batch, total_rows,
-                            heads, kv_heads, head_dim, splits, partial_out.data(), partial_lse.data(),
-                            counters.data(), nullptr);
+                            heads, kv_heads, head_dim, splits, partial_out.data(), partial_lse.data(), counters.data(),
+                            nullptr);
     EXPECT_EQ(from_device(counters), std::vector<unsigned>(counters.size(), 0)) << "left for the next call";
     return from_device(out);
   };
@@ -454,9 +458,8 @@ TEST(CudaOps, AttentionGivesARowItsBitsWhateverTheSplitsPerBlock) {
   // Every row of the batch against the CPU (sequence s's queries, the same keys).
   std::vector<float> block_expected(block_q * heads * head_dim);
   for (int s = 0; s < sequences; ++s) {
-    cpu::attention_forward(block_expected.data(), q.data() + long(s) * block_q * heads * head_dim,
-                           ordered_keys.data(), ordered_values.data(), block_q, length - block_q, heads, kv_heads,
-                           head_dim, scores.data());
+    cpu::attention_forward(block_expected.data(), q.data() + long(s) * block_q * heads * head_dim, ordered_keys.data(),
+                           ordered_values.data(), block_q, length - block_q, heads, kv_heads, head_dim, scores.data());
     EXPECT_LE(relative_error(in_batch.data() + long(s) * block_q * heads * head_dim, block_expected.data(),
                              block_expected.size()),
               kBf16Tolerance)
