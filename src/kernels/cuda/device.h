@@ -28,6 +28,11 @@ namespace dspark::cuda {
 // the ceiling a memory-bound kernel can be compared against.
 double measure_copy_bandwidth(size_t bytes);
 
+// Read-only bandwidth in GB/s: one kernel streaming `bytes` once with 16-byte
+// loads (median of several runs after a warm-up): the ceiling for a kernel
+// that only reads, such as a GEMV's weight stream.
+double measure_read_bandwidth(size_t bytes);
+
 // Keeps `stream` busy for about `microseconds` with one spinning thread, so
 // that the host can queue the work after it ahead of the GPU: a profiler's
 // events then time kernels back to back, not the host's launch rate.

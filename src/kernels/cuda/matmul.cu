@@ -813,6 +813,12 @@ void gemv_matmul_forward(void* out, MatmulOutput out_type, GemvEpilogue epilogue
   gemv_path(out, out_type, epilogue, x, weight, bias, rows, in_features, out_features, kernel, norm, true, stream);
 }
 
+void cublaslt_matmul_forward(void* out, MatmulOutput out_type, const bf16* x, const bf16* weight, const bf16* bias,
+                             int rows, int in_features, int out_features, cudaStream_t stream) {
+  MatmulContext& matmul = context();
+  matmul.run(matmul.plan(rows, in_features, out_features, out_type, bias != nullptr), out, x, weight, bias, stream);
+}
+
 // ---- training ----
 
 namespace {

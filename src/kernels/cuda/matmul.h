@@ -82,6 +82,12 @@ void gemv_matmul_forward(void* out, MatmulOutput out_type, GemvEpilogue epilogue
                          const __nv_bfloat16* x, const __nv_bfloat16* weight, const __nv_bfloat16* bias, int rows,
                          int in_features, int out_features, const ResidualNorm& norm, cudaStream_t stream);
 
+// The product on cuBLASLt alone (the algorithm its heuristic gives the
+// shape's row class, as matmul_forward runs it): what benchmarks hold the
+// GEMVs against.
+void cublaslt_matmul_forward(void* out, MatmulOutput out_type, const __nv_bfloat16* x, const __nv_bfloat16* weight,
+                             const __nv_bfloat16* bias, int rows, int in_features, int out_features,
+                             cudaStream_t stream);
 // out [rows, out] = x [rows, in] @ weight (+ bias [out]) with weight stored
 // [in, out] (the drafter's layout: CUDA version of cpu::matmul_in_out_forward),
 // for few rows (the sequential head: one row per request). x, bias and out are
