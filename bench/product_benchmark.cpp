@@ -26,11 +26,13 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "core/random.h"
 #include "kernels/cuda/buffer.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device.h"
@@ -62,13 +64,10 @@ enum class Way { CublasLt, TensorCores, TensorCoresInRowGroups };
 constexpr const char* kWayNames[] = {"cublaslt", "tensor_cores", "tensor_cores_row_groups"};
 
 // Values in [-1, 1) (their size does not change the time; NaNs could).
-cuda::DeviceBuffer<bf16> random_device_bf16(size_t count, unsigned seed) {
+cuda::DeviceBuffer<bf16> random_device_bf16(size_t count, uint64_t seed) {
+  Rng rng(seed);
   std::vector<bf16> pattern(1 << 16);
-  unsigned state = seed * 2654435761u + 1;
-  for (bf16& value : pattern) {
-    state = state * 1664525u + 1013904223u;
-    value = __float2bfloat16(static_cast<float>(state >> 8) / static_cast<float>(1 << 23) - 1.0f);
-  }
+  for (bf16& value : pattern) value = __float2bfloat16(static_cast<float>(rng.uniform() * 2.0 - 1.0));
   cuda::DeviceBuffer<bf16> buffer(count);
   size_t done = std::min(pattern.size(), count);
   CUDA_CHECK(cudaMemcpy(buffer.data(), pattern.data(), done * sizeof(bf16), cudaMemcpyHostToDevice));
