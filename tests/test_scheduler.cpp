@@ -507,6 +507,12 @@ TEST(PrefixScheduler, GateFollowsTheRatesRoundsDelivered) {
   const auto good_drafts = [](char kind) { return kind == 'D' ? std::pair{0.02828, 16L} : std::pair{0.010, 4L}; };
   EXPECT_EQ(delivered_runs(pessimistic, 2000, good_drafts, 40), "850D 16. 849D 16. 269D");
   EXPECT_LT(pessimistic.gain(), 1.0);
+  // Drafted rounds just above the prediction (12 tokens in 28.28 ms, 424 a
+  // second: under 1/0.9 x 400) still try undrafted rounds at once, and again
+  // every 256 rounds (the least: 16 x 128 x 0.06 is 122).
+  PrefixScheduler close(flat, DraftCostProfile{{1}, {0.00457}});
+  const auto close_drafts = [](char kind) { return kind == 'D' ? std::pair{0.02828, 12L} : std::pair{0.010, 4L}; };
+  EXPECT_EQ(delivered_runs(close, 400, close_drafts, 400), "19D 16. 256D 16. 93D");
   // Drafting at 4 x 6 ms: confident rows estimate 1.09, the others 0.797.
   // Drafted rounds emit 4 tokens in 34 ms (118 a second, ratio 0.294): shut
   // after the first trial; the second trial of drafting (1446 rounds on)

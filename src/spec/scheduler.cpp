@@ -688,8 +688,9 @@ std::optional<int> PrefixScheduler::delivered_decision(int rows) {
   // A real one adds its admissions and host work, so that rate is their best;
   // where drafted rounds deliver clearly more, a trial could not change the
   // decision now, and the undrafted kind is first tried as a periodic trial.
-  // (Tried at once, at batch 4 on the H100 the trials' 16 rounds left 89 of
-  // 982 rows undrafted where drafting delivered 2.8x a plain step.)
+  // (Tried at once, on the H100 with the x16 pair the trials left 16 of 865
+  // rows undrafted at batch 1 and 80-89 of 968-982 at batch 4, where drafted
+  // rounds delivered 2-4x: batch 4's speed-up 2.85-2.91, now 3.05-3.07.)
   const bool undrafted_known = gate.undrafted.count >= kKnownRounds;
   const double undrafted_rate =
       undrafted_known ? gate.undrafted.rate() : rows * sps_.plain_at(rows) / undrafted_cost_.value;

@@ -99,10 +99,12 @@
 // 0.44x: every drafted shape was new there), and later trials of drafting need
 // the estimate at a near miss or better; where it is lower, a probe runs in the
 // trial's place and brings it up to date. 16 undrafted rounds are tried as soon
-// as drafted ones are known. The rates count every cost, those the estimate
-// models and those it does not, on this machine and this traffic; the estimate
-// still prices each round's positions (Alg 1 and the draft length) and decides
-// where no tokens are reported (sampling).
+// as drafted ones are known, unless those deliver over 1/0.9 of what undrafted
+// ones can (R tokens a plain step, as predicted: a real one also pays its
+// admissions); then the periodic trial is their first. The rates count every
+// cost, those the estimate models and those it does not, on this machine and
+// this traffic; the estimate still prices each round's positions (Alg 1 and
+// the draft length) and decides where no tokens are reported (sampling).
 //
 // τ_b is the batch's progress per round. Row r drafting is expected to emit
 // e_r tokens a round (1 + the survival of its verified prefix). While
