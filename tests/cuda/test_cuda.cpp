@@ -343,6 +343,31 @@ TEST(CudaOps, QkvNormRopeAndCacheAppendMatchCpu) {
   }
 }
 
+// A step's attention metadata on the device, one entry a sequence; `batch`
+// points into the buffers (so the struct is never copied).
+struct DeviceAttentionBatch {
+  DeviceBuffer<int32_t> query_start, query_length, length, table_row, table;
+  cuda::AttentionBatch batch;
+  DeviceAttentionBatch(const std::vector<int32_t>& starts, const std::vector<int32_t>& query_lengths,
+                       const std::vector<int32_t>& lengths, const std::vector<int32_t>& table_rows,
+                       const std::vector<int32_t>& block_table, int max_blocks, int max_query_length)
+      : query_start(to_device(starts)),
+        query_length(to_device(query_lengths)),
+        length(to_device(lengths)),
+        table_row(to_device(table_rows)),
+        table(to_device(block_table)),
+        batch{query_start.data(),
+              query_length.data(),
+              length.data(),
+              table_row.data(),
+              table.data(),
+              max_blocks,
+              static_cast<int>(starts.size()),
+              max_query_length} {}
+  DeviceAttentionBatch(const DeviceAttentionBatch&) = delete;
+  DeviceAttentionBatch& operator=(const DeviceAttentionBatch&) = delete;
+};
+
 TEST(CudaOps, PagedAttentionMatchesCpu) {
   // Three sequences of different lengths and query counts, blocks scattered
   // through the pool, grouped-query heads; with and without split-KV.
@@ -374,11 +399,8 @@ TEST(CudaOps, PagedAttentionMatchesCpu) {
                            query_lengths[s], lengths[s] - query_lengths[s], heads, kv_heads, head_dim, scores.data());
 
   auto q_device = to_device_bf16(q_all), keys_device = to_device_bf16(pool_keys), values_device = to_device_bf16(pool_values);
-  auto start_device = to_device(query_start), query_length_device = to_device(std::vector<int32_t>(query_lengths.begin(), query_lengths.end()));
-  auto length_device = to_device(std::vector<int32_t>(lengths.begin(), lengths.end()));
-  auto table_row_device = to_device(table_rows), table_device = to_device(table);
-  cuda::AttentionBatch batch{start_device.data(), query_length_device.data(), length_device.data(),
-                             table_row_device.data(), table_device.data(), max_blocks, 3, 9};
+  const DeviceAttentionBatch step(query_start, query_lengths, lengths, table_rows, table, max_blocks, 9);
+  const cuda::AttentionBatch& batch = step.batch;
   // One split (one CTA covers every position), or splits at fixed positions
   // (kSplitTiles tiles each): the fewest that cover the longest sequence, and
   // more (those past a sequence's end add nothing).
@@ -413,21 +435,12 @@ TEST(CudaOps, AttentionGivesARowItsBitsWhateverTheSplitsPerBlock) {
   for (int b = 0; b < max_blocks; ++b) table[b] = max_blocks - 1 - b;
   const auto q = bf16_rounded(random_values(long(sequences) * block_q * heads * head_dim, 72));
   auto keys_device = to_device_bf16(keys), values_device = to_device_bf16(values), q_device = to_device_bf16(q);
-  auto table_device = to_device(table);
   auto run = [&](int count, int query_length, int sequence_length) {
     std::vector<int32_t> starts(count), query_lengths(count, query_length), lengths(count, sequence_length),
         rows(count, 0);
     for (int s = 0; s < count; ++s) starts[s] = s * query_length;
-    auto starts_device = to_device(starts), query_lengths_device = to_device(query_lengths);
-    auto lengths_device = to_device(lengths), rows_device = to_device(rows);
-    const cuda::AttentionBatch batch{starts_device.data(),
-                                     query_lengths_device.data(),
-                                     lengths_device.data(),
-                                     rows_device.data(),
-                                     table_device.data(),
-                                     max_blocks,
-                                     count,
-                                     query_length};
+    const DeviceAttentionBatch step(starts, query_lengths, lengths, rows, table, max_blocks, query_length);
+    const cuda::AttentionBatch& batch = step.batch;
     const int total_rows = count * query_length;
     DeviceBuffer<bf16> out(long(total_rows) * heads * head_dim);
     DeviceBuffer<float> partial_out(long(splits) * total_rows * heads * head_dim),
@@ -503,18 +516,8 @@ TEST(CudaOps, AttentionWithRopeInsideEqualsRopeThenAttention) {
   auto q_norm_device = to_device(q_norm), k_norm_device = to_device(k_norm);
   auto rope_table = to_device(table_values);
   auto positions_device = to_device(positions), slots_device = to_device(slots);
-  auto start_device = to_device(query_start);
-  auto query_length_device = to_device(std::vector<int32_t>(query_lengths.begin(), query_lengths.end()));
-  auto length_device = to_device(std::vector<int32_t>(lengths.begin(), lengths.end()));
-  auto table_row_device = to_device(table_rows), table_device = to_device(table);
-  const cuda::AttentionBatch batch{start_device.data(),
-                                   query_length_device.data(),
-                                   length_device.data(),
-                                   table_row_device.data(),
-                                   table_device.data(),
-                                   max_blocks,
-                                   3,
-                                   16};
+  const DeviceAttentionBatch step(query_start, query_lengths, lengths, table_rows, table, max_blocks, 16);
+  const cuda::AttentionBatch& batch = step.batch;
   const int fewest = (200 + cuda::kSplitTiles * cuda::kBlockSize - 1) / (cuda::kSplitTiles * cuda::kBlockSize);
   for (bool with_norm : {true, false}) {
     const float* q_norm_used = with_norm ? q_norm_device.data() : nullptr;
