@@ -692,8 +692,7 @@ std::optional<int> PrefixScheduler::delivered_decision(int rows) {
   // rows undrafted at batch 1 and 80-89 of 968-982 at batch 4, where drafted
   // rounds delivered 2-4x: batch 4's speed-up 2.85-2.91, now 3.05-3.07.)
   const bool undrafted_known = gate.undrafted.count >= kKnownRounds;
-  const double undrafted_rate =
-      undrafted_known ? gate.undrafted.rate() : rows * sps_.plain_at(rows) / undrafted_cost_.value;
+  const double undrafted_rate = undrafted_known ? gate.undrafted.rate() : undrafted_tokens_per_second(rows);
   const double ratio = gate.drafted.rate() / undrafted_rate;
   if (!undrafted_known && ratio < 1.0 / kNearMiss) return trial(false);
   const bool draft = ratio >= 1.0;
@@ -729,6 +728,12 @@ int PrefixScheduler::draft_length(int gamma) {
 
 double PrefixScheduler::round_draft_seconds(int rows) const {
   return draft_length_ > 0 ? draft_cost_->at(rows, draft_length_) : draft_cost_->at(rows);
+}
+
+// What an undrafted round delivers as the estimate sees it (the gain's
+// denominator, and the gate's price for undrafted rounds not yet measured).
+double PrefixScheduler::undrafted_tokens_per_second(int rows) const {
+  return rows * sps_.plain_at(rows) / undrafted_cost_.value;
 }
 
 void PrefixScheduler::enter_gate(int rows) {
@@ -918,7 +923,7 @@ void PrefixScheduler::schedule(std::span<const Proposal> proposals, std::vector<
   const double all_drafting =
       (1.0 / sps_.round_at(R, (tokens_all - R) / R) + round_draft_seconds(R)) * drafted_cost_.value;
   const double speculative = expected_all / all_drafting;
-  const double gain = speculative * undrafted_cost_.value / (R * sps_.plain_at(R));
+  const double gain = speculative / undrafted_tokens_per_second(R);
   gate_->gain.add(gain, kGainWeight);
   if (gate_log())
     std::fprintf(stderr,

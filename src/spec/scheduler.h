@@ -396,6 +396,7 @@ class PrefixScheduler final : public VerifyScheduler {
   bool all_drafted_ = false;        // every row of the round being run drafts
   double slowest_share() const;
   double round_draft_seconds(int rows) const;   // D(R, L) at this round's draft length
+  double undrafted_tokens_per_second(int rows) const;  // R tokens a plain step, scaled by timed undrafted rounds
   RecentMedian drafted_cost_, undrafted_cost_;  // measured / predicted time of a drafted / an undrafted round
   RecentMedian* timed_ = nullptr;               // what the round being run is timed against (null: it is not)
   double predicted_seconds_ = 0.0;              // the profiles' time for it
