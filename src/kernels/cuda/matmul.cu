@@ -223,7 +223,11 @@ constexpr int kMmaStepsInFlight = 4;
 // (__launch_bounds__). Both measured together (PERF.md, stop 22): without a
 // minimum ptxas allocates fewer registers and the 1-row decode step gained
 // 1% instead of 3%; early loads at 4 tiles and more, or more than one at 2,
-// made the verify step slower.
+// made the verify step slower. Four tiles (17-32 rows) at two blocks an SM,
+// not three: 128 registers and no spills, where three spilled 48-56 bytes;
+// on the H100 the x16 gate|up at 32 rows 195 us against 218 (and cuBLASLt's
+// 193 + its separate SwiGLU), its LM head 38 against 53, and x16 batch 4's
+// speed-up 3.059 against 2.972 (64 prompts; PERF.md, stops 53 and 55).
 template <int TILES>
 constexpr int kMmaEarlySteps = TILES == 1   ? 4
                                : TILES == 2 ? 1
@@ -231,7 +235,7 @@ constexpr int kMmaEarlySteps = TILES == 1   ? 4
 template <int TILES>
 constexpr int kMmaMinBlocks = TILES == 1   ? 1
                               : TILES == 2 ? 3
-                              : TILES == 4 ? 3
+                              : TILES == 4 ? 2
                                            : 2;
 // FEW_WAVES, one row tile: the kernel above fits two blocks per SM (110
 // registers), so a product of more than one and up to kMmaFewWavesMost
