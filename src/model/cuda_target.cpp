@@ -423,9 +423,12 @@ void CudaTarget::forget_graphs() {
 int CudaTarget::attention_splits(int longest_sequence) const {
   // Splits sit at fixed positions (cuda::kSplitTiles tiles each, so decode and
   // verify reduce alike); the count is rounded up to a power of two so that a
-  // captured graph serves a growing context until it doubles.
+  // captured graph serves a growing context until it doubles. At least two,
+  // even where one covers the batch: one split runs the scalar kernel, more
+  // the tensor-core one (attention.cu), and a row must get the same kernel
+  // whatever the length of the longest sequence beside it.
   const int needed = ceil_div(longest_sequence, cuda::kSplitTiles * kBlockSize);
-  return static_cast<int>(std::bit_ceil(unsigned(std::max(needed, 1))));
+  return static_cast<int>(std::bit_ceil(unsigned(std::max(needed, 2))));
 }
 
 void CudaTarget::ensure_split_capacity(const StepShape& shape) {

@@ -421,9 +421,11 @@ TEST(CudaOps, PagedAttentionMatchesCpu) {
 // A step with many rows, kv heads and splits gives each CTA several
 // consecutive splits (attention.cu's split_group), one with few rows a CTA per
 // split; every split is reduced alone either way, so a query row has the same
-// bits in both: here a decode row alone (one CTA per split) and the same row
+// bits in both: here a decode row alone (few splits a CTA) and the same row
 // as the first of an 8-token verify block beside 7 other sequences (many
-// splits a CTA), and both within bf16 rounding of the CPU.
+// splits a CTA), and both within bf16 rounding of the CPU. The block's last
+// query alone and in the batch sit at other rows of their CTAs' mma
+// fragments, which must not change their bits either.
 TEST(CudaOps, AttentionGivesARowItsBitsWhateverTheSplitsPerBlock) {
   const int heads = 32, kv_heads = 8, head_dim = 64, length = 500, block_q = 8, sequences = 8;
   const int stride = kv_heads * head_dim, max_blocks = (length + cuda::kBlockSize - 1) / cuda::kBlockSize;
@@ -435,13 +437,14 @@ TEST(CudaOps, AttentionGivesARowItsBitsWhateverTheSplitsPerBlock) {
   for (int b = 0; b < max_blocks; ++b) table[b] = max_blocks - 1 - b;
   const auto q = bf16_rounded(random_values(long(sequences) * block_q * heads * head_dim, 72));
   auto keys_device = to_device_bf16(keys), values_device = to_device_bf16(values), q_device = to_device_bf16(q);
-  auto run = [&](int count, int query_length, int sequence_length) {
+  // `count` sequences of query_length queries, the first at row first_query of q; out from that row on.
+  auto run = [&](int count, int query_length, int sequence_length, int first_query = 0) {
     std::vector<int32_t> starts(count), query_lengths(count, query_length), lengths(count, sequence_length),
         rows(count, 0);
-    for (int s = 0; s < count; ++s) starts[s] = s * query_length;
+    for (int s = 0; s < count; ++s) starts[s] = first_query + s * query_length;
     const DeviceAttentionBatch step(starts, query_lengths, lengths, rows, table, max_blocks, query_length);
     const cuda::AttentionBatch& batch = step.batch;
-    const int total_rows = count * query_length;
+    const int total_rows = first_query + count * query_length;
     DeviceBuffer<bf16> out(long(total_rows) * heads * head_dim);
     DeviceBuffer<float> partial_out(long(splits) * total_rows * heads * head_dim),
         partial_lse(long(splits) * total_rows * heads);
@@ -450,13 +453,20 @@ TEST(CudaOps, AttentionGivesARowItsBitsWhateverTheSplitsPerBlock) {
                             heads, kv_heads, head_dim, splits, partial_out.data(), partial_lse.data(), counters.data(),
                             nullptr);
     EXPECT_EQ(from_device(counters), std::vector<unsigned>(counters.size(), 0)) << "left for the next call";
-    return from_device(out);
+    const auto all = from_device(out);
+    return std::vector<float>(all.begin() + long(first_query) * heads * head_dim, all.end());
   };
   // The decode row: query 0 at position length - block_q, its keys 0..length - block_q.
   const auto alone = run(1, 1, length - block_q + 1);
   const auto in_batch = run(sequences, block_q, length);
   const std::vector<float> first_row(in_batch.begin(), in_batch.begin() + heads * head_dim);
   EXPECT_EQ(first_row, alone);
+  // The block's last query decoded alone: its heads are the CTA's first rows
+  // there, and the last rows of the block's last row block here.
+  const auto last_alone = run(1, 1, length, block_q - 1);
+  const std::vector<float> last_row(in_batch.begin() + (block_q - 1) * heads * head_dim,
+                                    in_batch.begin() + block_q * heads * head_dim);
+  EXPECT_EQ(last_row, last_alone);
   // The CPU reads the keys and values in position order.
   std::vector<float> ordered_keys(long(length) * stride), ordered_values(ordered_keys.size());
   for (int p = 0; p < length; ++p) {

@@ -21,6 +21,10 @@ stdbuf -oL .device/bin/dspark_cuda_tests --gtest_color=no "$@"
 # Again with ordinary launches: the kernels' programmatic-dependent-launch
 # waits must give the same results either way.
 DSPARK_PDL=0 stdbuf -oL .device/bin/dspark_cuda_tests --gtest_color=no --gtest_brief=1 "$@"
+# The attention tests with decode and verify steps on the scalar kernel (the
+# tensor-core kernel's comparison switch), which prefill chunks always run.
+DSPARK_ATTENTION_SCALAR=1 stdbuf -oL .device/bin/dspark_cuda_tests --gtest_color=no --gtest_brief=1 \
+  --gtest_filter='CudaOps.*ttention*'
 for model in qwen3 llama; do
   .device/bin/dspark generate --device cuda -m "tests/golden/$model" -p "def add(a, b):" -n 16 --ignore-eos --json
   .device/bin/dspark perplexity --device cuda -m "tests/golden/$model" -f "tests/golden/$model/reference/perplexity.txt" --json

@@ -1,10 +1,14 @@
+#include <algorithm>
 #include <climits>
 
 #include "kernels/cuda/attention.h"
+
+#include "core/environment.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/rope.cuh"
+#include "kernels/cuda/tensor_gemv.cuh"
 
 namespace dspark::cuda {
 namespace {
@@ -18,6 +22,95 @@ namespace {
 // batch-4 verify of 8 tokens 0.204 -> 0.193 ms (with the merge below).
 constexpr int kWarps = 8;
 constexpr int kRowsPerWarp = kAttentionRowsPerBlock / kWarps;
+
+// A step row of kv head `kv_head` (row qkv_row of the QKV GEMM's output) for
+// the attention's tiles: its key normed and rotated into key_row, its value as
+// it is into value_row (both shared), with the bits of the RoPE kernel, and
+// appended to the cache when `appends`. Every lane of the warp calls it.
+template <int HEAD_DIM>
+__device__ __forceinline__ void step_key_value(const AttentionRope& rope, long qkv_row, int heads, int kv_heads,
+                                               int kv_head, bool appends, bf16* key_row, bf16* value_row, int lane) {
+  const long qkv_width = static_cast<long>(heads + 2 * kv_heads) * HEAD_DIM;
+  const bf16* key_in = rope.qkv + qkv_row * qkv_width + static_cast<long>(heads + kv_head) * HEAD_DIM;
+  const bf16* value_in = key_in + static_cast<long>(kv_heads) * HEAD_DIM;
+  const long cache_row = (static_cast<long>(rope.slots[qkv_row]) * kv_heads + kv_head) * HEAD_DIM;
+  const RopeLane constants = load_rope_lane(rope.k_norm, rope.rope_table, rope.positions[qkv_row], HEAD_DIM, lane);
+  norm_rope_row(key_in, constants, rope.k_norm != nullptr, HEAD_DIM, rope.eps, lane, [&](int i, bf16 value) {
+    key_row[i] = value;
+    if (appends) rope.key_cache[cache_row + i] = value;
+  });
+  for (int i = lane; i < HEAD_DIM; i += 32) {
+    const bf16 value = value_in[i];
+    value_row[i] = value;
+    if (appends) rope.value_cache[cache_row + i] = value;
+  }
+}
+
+// The splits' partial results of one query row (out_row of `out`) merged,
+// softmax-weighted by each split's log-sum-exp: a warp per row, a lane per
+// dim, the splits in order. Split s of the row is partial_out[s * row_heads +
+// out_row] (normalized, f32) and partial_lse[...] (-inf where it saw no key).
+template <int HEAD_DIM>
+__device__ __forceinline__ void merge_splits(bf16* out, const float* partial_out, const float* partial_lse, int splits,
+                                             long row_heads, long out_row, int lane) {
+  constexpr int kDimsPerLane = HEAD_DIM >= 32 ? HEAD_DIM / 32 : 1;
+  float maximum = -INFINITY;
+  for (int s = lane; s < splits; s += 32) maximum = fmaxf(maximum, __ldcg(partial_lse + s * row_heads + out_row));
+  maximum = warp_max(maximum);
+  float total[kDimsPerLane] = {}, weight_sum = 0.0f;
+#pragma unroll 8
+  for (int s = 0; s < splits; ++s) {
+    const float lse = __ldcg(partial_lse + s * row_heads + out_row);
+    if (lse == -INFINITY) continue;  // a split past this row's keys: adds exactly nothing
+    const float weight = __expf(lse - maximum);
+    weight_sum += weight;
+#pragma unroll
+    for (int d = 0; d < kDimsPerLane; ++d) {
+      const int dim = lane * kDimsPerLane + d;
+      if (dim < HEAD_DIM) total[d] += weight * __ldcg(partial_out + (s * row_heads + out_row) * HEAD_DIM + dim);
+    }
+  }
+#pragma unroll
+  for (int d = 0; d < kDimsPerLane; ++d) {
+    const int dim = lane * kDimsPerLane + d;
+    if (dim < HEAD_DIM)
+      out[out_row * HEAD_DIM + dim] = __float2bfloat16(weight_sum > 0.0f ? total[d] / weight_sum : 0.0f);
+  }
+}
+
+// What a CTA of a step kernel (attention_kernel, split_attention_kernel)
+// works on, from its grid position (y = kv head, z = sequence * row_blocks +
+// row block): query rows [first_row, last_row] of its kv head's (query token,
+// head in group) pairs, row r being token r / group.
+struct RowBlock {
+  int sequence, row_block, kv_head;
+  int group;                 // query heads a kv head
+  int rows;                  // the kv head's (query token, head in group) pairs; none here if first_row >= rows
+  int first_row, last_row;   // the CTA's; the last one bounds the causal range it needs
+  int length;                // the sequence's positions, the query tokens its last
+  int first_query_position;  // length - query length
+  int query_start;           // the sequence's first row in the step's tokens
+  int visible_end;           // past the CTA's last visible key
+  int tiles;                 // cache blocks holding a visible key
+  const int32_t* blocks;     // the sequence's block table
+};
+__device__ __forceinline__ RowBlock row_block_of(const AttentionBatch& batch, int heads, int kv_heads, int row_blocks) {
+  RowBlock block;
+  block.sequence = blockIdx.z / row_blocks, block.row_block = blockIdx.z % row_blocks;
+  block.kv_head = blockIdx.y;
+  block.group = heads / kv_heads;
+  const int query_length = batch.query_length[block.sequence];
+  block.rows = query_length * block.group;
+  block.first_row = block.row_block * kAttentionRowsPerBlock;
+  block.last_row = min(block.rows, block.first_row + kAttentionRowsPerBlock) - 1;
+  block.length = batch.sequence_length[block.sequence];
+  block.first_query_position = block.length - query_length;
+  block.query_start = batch.query_start[block.sequence];
+  block.visible_end = block.first_query_position + block.last_row / block.group + 1;
+  block.tiles = (block.visible_end + kBlockSize - 1) / kBlockSize;
+  block.blocks = batch.block_tables + static_cast<long>(batch.table_row[block.sequence]) * batch.max_blocks;
+  return block;
+}
 
 // grid: x = group of split_group KV splits, y = kv head, z = sequence *
 // row_blocks + row block. Each CTA streams its KV range tile by tile
@@ -50,23 +143,10 @@ __global__ void __launch_bounds__(kWarps * 32, kAttentionBlocksPerMultiprocessor
   __shared__ __align__(16) bf16 keys[kBlockSize][HEAD_DIM + kPad];
   __shared__ __align__(16) bf16 values[kBlockSize][HEAD_DIM + kPad];
   __shared__ float queries[kAttentionRowsPerBlock][HEAD_DIM];
-  const int sequence = blockIdx.z / row_blocks, row_block = blockIdx.z % row_blocks;
-  const int kv_head = blockIdx.y;
-  const int group = heads / kv_heads;
-  const int query_length = batch.query_length[sequence];
-  const int rows = query_length * group;  // (query token, head in group) pairs of this kv head
-  const int first_row = row_block * kAttentionRowsPerBlock;
-  if (first_row >= rows) return;  // nothing to do, nothing to wait for
-  const int length = batch.sequence_length[sequence];
-  const int first_query_position = length - query_length;
-  const int query_start = batch.query_start[sequence];
-  const int32_t* blocks = batch.block_tables + static_cast<long>(batch.table_row[sequence]) * batch.max_blocks;
+  const RowBlock block = row_block_of(batch, heads, kv_heads, row_blocks);
+  if (block.first_row >= block.rows) return;  // nothing to do, nothing to wait for
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float scale = rsqrtf(static_cast<float>(HEAD_DIM));
-  // This CTA's rows; the last one bounds the causal range it needs.
-  const int last_row = min(rows, first_row + kAttentionRowsPerBlock) - 1;
-  const int visible_end = first_query_position + last_row / group + 1;
-  const int tiles = (visible_end + kBlockSize - 1) / kBlockSize;
   // Split boundaries sit at fixed positions (kSplitTiles tiles each), never at
   // a fraction of this step's range: a query's keys are then reduced in the
   // same order whatever else the step holds (a 1-token decode, a verify block,
@@ -76,7 +156,7 @@ __global__ void __launch_bounds__(kWarps * 32, kAttentionBlocksPerMultiprocessor
   // softmax state restarted, its partial written) as if a CTA of its own had.
   const int first_split = blockIdx.x * split_group, end_split = min(splits, first_split + split_group);
   const int tile_begin = splits == 1 ? 0 : first_split * kSplitTiles;
-  const int tile_end = splits == 1 ? tiles : min(tiles, end_split * kSplitTiles);
+  const int tile_end = splits == 1 ? block.tiles : min(block.tiles, end_split * kSplitTiles);
   // A tile (one cache block: kBlockSize consecutive slots) moves through
   // registers: 16-byte loads, all issued before the first store into the
   // padded shared rows. Vector i of the tile is row i / kVectorsPerRow.
@@ -91,15 +171,16 @@ __global__ void __launch_bounds__(kWarps * 32, kAttentionBlocksPerMultiprocessor
       const int i = threadIdx.x + j * kWarps * 32;
       const int position = tile * kBlockSize + i / kVectorsPerRow;
       if (i >= kTileVectors || position < from || position >= to) continue;
-      const long offset = ((slot0 + i / kVectorsPerRow) * kv_heads + kv_head) * HEAD_DIM + (i % kVectorsPerRow) * 8;
+      const long offset =
+          ((slot0 + i / kVectorsPerRow) * kv_heads + block.kv_head) * HEAD_DIM + (i % kVectorsPerRow) * 8;
       key_vectors[j] = *reinterpret_cast<const uint4*>(key_cache + offset);
       value_vectors[j] = *reinterpret_cast<const uint4*>(value_cache + offset);
     }
   };
   long first_slot = 0;
   if (tile_begin < tile_end) {
-    first_slot = static_cast<long>(blocks[tile_begin]) * kBlockSize;
-    load_tile(first_slot, tile_begin, 0, first_query_position);
+    first_slot = static_cast<long>(block.blocks[tile_begin]) * kBlockSize;
+    load_tile(first_slot, tile_begin, 0, block.first_query_position);
   }
   // ROPE: a warp per query row (kAttentionRowsPerBlock == kWarps), and a warp
   // per step row of a tile to rotate as a key (own_begin: this warp's first),
@@ -107,32 +188,34 @@ __global__ void __launch_bounds__(kWarps * 32, kAttentionBlocksPerMultiprocessor
   // one key) the key's chain of loads runs beside the queries' instead of after
   // one of them.
   static_assert(kAttentionRowsPerBlock == kWarps);
-  const int query_row = first_row + warp;
-  auto own_begin = [&](int tile) { return max(tile * kBlockSize, first_query_position) + (kWarps - 1 - warp); };
-  auto own_end = [&](int tile) { return min((tile + 1) * kBlockSize, length); };
+  const int query_row = block.first_row + warp;
+  auto own_begin = [&](int tile) { return max(tile * kBlockSize, block.first_query_position) + (kWarps - 1 - warp); };
+  auto own_end = [&](int tile) { return min((tile + 1) * kBlockSize, block.length); };
   wait_for_previous_kernel();
   start_next_kernel();
   // With ROPE the step's own rows [first_query_position, length) are computed
   // below, not loaded; rows past the end are stale, and masked.
-  if (tile_begin < tile_end) load_tile(first_slot, tile_begin, ROPE ? length : first_query_position, INT_MAX);
+  if (tile_begin < tile_end)
+    load_tile(first_slot, tile_begin, ROPE ? block.length : block.first_query_position, INT_MAX);
   const long qkv_width = static_cast<long>(heads + 2 * kv_heads) * HEAD_DIM;
   if constexpr (ROPE) {
-    if (query_row < rows) {  // (rows past it are never read)
-      const int token = query_row / group, head = kv_head * group + query_row % group;
+    if (query_row < block.rows) {  // (rows past it are never read)
+      const int token = query_row / block.group, head = block.kv_head * block.group + query_row % block.group;
       const RopeLane constants =
-          load_rope_lane(rope.q_norm, rope.rope_table, rope.positions[query_start + token], HEAD_DIM, lane);
-      norm_rope_row(rope.qkv + (query_start + token) * qkv_width + static_cast<long>(head) * HEAD_DIM, constants,
+          load_rope_lane(rope.q_norm, rope.rope_table, rope.positions[block.query_start + token], HEAD_DIM, lane);
+      norm_rope_row(rope.qkv + (block.query_start + token) * qkv_width + static_cast<long>(head) * HEAD_DIM, constants,
                     rope.q_norm != nullptr, HEAD_DIM, rope.eps, lane,
                     [&](int i, bf16 value) { queries[warp][i] = __bfloat162float(value); });
     }
   } else {
 #pragma unroll
     for (int i = threadIdx.x; i < kAttentionRowsPerBlock * HEAD_DIM; i += kWarps * 32) {  // unrolled: loads overlap
-      const int local = i / HEAD_DIM, row = first_row + local;
+      const int local = i / HEAD_DIM, row = block.first_row + local;
       float value = 0.0f;
-      if (row < rows) {
-        const int token = row / group, head = kv_head * group + row % group;
-        value = __bfloat162float(q[(static_cast<long>(query_start + token) * heads + head) * HEAD_DIM + i % HEAD_DIM]);
+      if (row < block.rows) {
+        const int token = row / block.group, head = block.kv_head * block.group + row % block.group;
+        value = __bfloat162float(
+            q[(static_cast<long>(block.query_start + token) * heads + head) * HEAD_DIM + i % HEAD_DIM]);
       }
       queries[local][i % HEAD_DIM] = value;
     }
@@ -147,8 +230,10 @@ __global__ void __launch_bounds__(kWarps * 32, kAttentionBlocksPerMultiprocessor
   }
   // This warp's r-th row of `out` (its query token and head), or -1 past the block's rows.
   auto out_row_of = [&](int r) -> long {
-    const int row = first_row + r * kWarps + warp;
-    return row < rows ? static_cast<long>(query_start + row / group) * heads + kv_head * group + row % group : -1;
+    const int row = block.first_row + r * kWarps + warp;
+    return row < block.rows ? static_cast<long>(block.query_start + row / block.group) * heads +
+                                  block.kv_head * block.group + row % block.group
+                            : -1;
   };
   // A split's result: `out` itself when there is one split, else its partial
   // (normalized output and log-sum-exp, -inf when no key was visible); the
@@ -186,7 +271,7 @@ __global__ void __launch_bounds__(kWarps * 32, kAttentionBlocksPerMultiprocessor
       const int i = threadIdx.x + j * kWarps * 32;
       if (i >= kTileVectors) break;
       const int position = tile_first + i / kVectorsPerRow;
-      if (ROPE && position >= first_query_position && position < length) continue;  // computed below
+      if (ROPE && position >= block.first_query_position && position < block.length) continue;  // computed below
       uint32_t* key_words = reinterpret_cast<uint32_t*>(&keys[i / kVectorsPerRow][(i % kVectorsPerRow) * 8]);
       uint32_t* value_words = reinterpret_cast<uint32_t*>(&values[i / kVectorsPerRow][(i % kVectorsPerRow) * 8]);
       key_words[0] = key_vectors[j].x, key_words[1] = key_vectors[j].y;
@@ -199,39 +284,24 @@ __global__ void __launch_bounds__(kWarps * 32, kAttentionBlocksPerMultiprocessor
       // rotated, the value as it is. The CTA of the row block that holds the
       // token's first query row appends them to the cache (it reads their tile).
       for (int position = own_begin(tile); position < own_end(tile); position += kWarps) {
-        const int token = position - first_query_position;
-        const long qkv_row = query_start + token;
-        const bf16* key_in = rope.qkv + qkv_row * qkv_width + static_cast<long>(heads + kv_head) * HEAD_DIM;
-        const bf16* value_in = key_in + static_cast<long>(kv_heads) * HEAD_DIM;
-        const bool appends = row_block == token * group / kAttentionRowsPerBlock;
-        const long cache_row = (static_cast<long>(rope.slots[qkv_row]) * kv_heads + kv_head) * HEAD_DIM;
-        bf16* key_row = keys[position - tile_first];
-        bf16* value_row = values[position - tile_first];
-        const RopeLane constants =
-            load_rope_lane(rope.k_norm, rope.rope_table, rope.positions[qkv_row], HEAD_DIM, lane);
-        norm_rope_row(key_in, constants, rope.k_norm != nullptr, HEAD_DIM, rope.eps, lane, [&](int i, bf16 value) {
-          key_row[i] = value;
-          if (appends) rope.key_cache[cache_row + i] = value;
-        });
-        for (int i = lane; i < HEAD_DIM; i += 32) {
-          const bf16 value = value_in[i];
-          value_row[i] = value;
-          if (appends) rope.value_cache[cache_row + i] = value;
-        }
+        const int token = position - block.first_query_position;
+        step_key_value<HEAD_DIM>(rope, block.query_start + token, heads, kv_heads, block.kv_head,
+                                 block.row_block == token * block.group / kAttentionRowsPerBlock,
+                                 keys[position - tile_first], values[position - tile_first], lane);
       }
     }
     __syncthreads();
     if (tile + 1 < tile_end) {  // the next tile's loads, in flight while this one is scored
-      const long slot0 = static_cast<long>(blocks[tile + 1]) * kBlockSize;
-      load_tile(slot0, tile + 1, 0, ROPE ? first_query_position : INT_MAX);
-      if (ROPE) load_tile(slot0, tile + 1, length, INT_MAX);
+      const long slot0 = static_cast<long>(block.blocks[tile + 1]) * kBlockSize;
+      load_tile(slot0, tile + 1, 0, ROPE ? block.first_query_position : INT_MAX);
+      if (ROPE) load_tile(slot0, tile + 1, block.length, INT_MAX);
     }
     const int key_position = tile * kBlockSize + lane;
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
-      const int local = r * kWarps + warp, row = first_row + local;
-      if (row >= rows) continue;
-      const int query_position = first_query_position + row / group;
+      const int local = r * kWarps + warp, row = block.first_row + local;
+      if (row >= block.rows) continue;
+      const int query_position = block.first_query_position + row / block.group;
       float score = -INFINITY;
       if (key_position <= query_position) {
         // Four elements per load of the key and the query; four independent
@@ -289,33 +359,11 @@ __global__ void __launch_bounds__(kWarps * 32, kAttentionBlocksPerMultiprocessor
   // in every step and layer (kernel trace, H100).
   unsigned* counter = counters + static_cast<long>(blockIdx.z) * gridDim.y + blockIdx.y;
   if (!took_last_ticket(counter, gridDim.x)) return;
-  const long row_heads = static_cast<long>(total_rows) * heads;
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
     const long out_row = out_row_of(r);
-    if (out_row < 0) continue;
-    float maximum = -INFINITY;
-    for (int s = lane; s < splits; s += 32) maximum = fmaxf(maximum, __ldcg(partial_lse + s * row_heads + out_row));
-    maximum = warp_max(maximum);
-    float total[kDimsPerLane] = {}, weight_sum = 0.0f;
-#pragma unroll 8
-    for (int s = 0; s < splits; ++s) {
-      const float lse = __ldcg(partial_lse + s * row_heads + out_row);
-      if (lse == -INFINITY) continue;  // a split past this row's keys: adds exactly nothing
-      const float weight = __expf(lse - maximum);
-      weight_sum += weight;
-#pragma unroll
-      for (int d = 0; d < kDimsPerLane; ++d) {
-        const int dim = lane * kDimsPerLane + d;
-        if (dim < HEAD_DIM) total[d] += weight * __ldcg(partial_out + (s * row_heads + out_row) * HEAD_DIM + dim);
-      }
-    }
-#pragma unroll
-    for (int d = 0; d < kDimsPerLane; ++d) {
-      const int dim = lane * kDimsPerLane + d;
-      if (dim < HEAD_DIM)
-        out[out_row * HEAD_DIM + dim] = __float2bfloat16(weight_sum > 0.0f ? total[d] / weight_sum : 0.0f);
-    }
+    if (out_row >= 0) merge_splits<HEAD_DIM>(out, partial_out, partial_lse, splits, static_cast<long>(total_rows) * heads,
+                                          out_row, lane);
   }
   if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
 }
@@ -345,6 +393,313 @@ void launch(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_c
   launch_dependent(rope ? attention_kernel<HEAD_DIM, true> : attention_kernel<HEAD_DIM, false>, grid, kWarps * 32, 0,
                    stream, out, q, key_cache, value_cache, batch, heads, kv_heads, splits, split_group, row_blocks,
                    partial_out, partial_lse, counters, total_rows, rope ? *rope : AttentionRope{});
+  CUDA_CHECK_LAUNCH();
+}
+
+// ---- decode and verify steps on tensor cores (splits > 1) ----
+//
+// The same work and results as attention_kernel with splits > 1 (one split a
+// tile: kSplitTiles == 1), but a warp scores a whole split for the CTA's
+// kAttentionRowsPerBlock query rows with mma.sync m16n8k16 (tensor_gemv.cuh):
+// S = Q K^T, the split's softmax in the fragments' registers, then O = P V.
+// Fragment rows g are the CTA's rows (rows g + 8 zero); a query row's sums
+// depend only on its own fragment row, so a row keeps its bits wherever it
+// sits in a step. P is rounded to bf16 for the second product, and the
+// split's sum is taken over the rounded weights, so O / sum stays a weighted
+// mean of the values.
+//
+// The scalar kernel spends about 350 instructions a query row and tile (a
+// lane per key, a dot product in FMAs, then 32 shuffles for P V): an x16
+// batch-4 verify (3072 query rows, 16 tiles) issues 17M warp instructions a
+// layer, 16 us on 132 multiprocessors, and measured ~29 us (PERF.md, stop 51).
+// Here a split is 4 x HEAD_DIM / 16 + 2 x HEAD_DIM / 8 mma for all 8 rows.
+//
+// Keys and values go from memory straight into the fragments, with no tile in
+// shared memory: lane (g, c) loads 16 bytes of row 8j + g, dims 32q + 8c .. +
+// 7 (TilePieces). For S the query's fragments take its dims in that same
+// order (a sum over dims does not notice it, as in tensor_gemv.cuh); for P V
+// each 8x8 block of values is transposed in registers (movmatrix), which puts
+// output dims 32q + 8c + 2e, + 1 in lane (g, c)'s block e. Shared memory holds
+// the CTA's query rows and, with ROPE, the step's own rows: a few KiB. (A form
+// with each warp's tile in shared memory, 74 KiB a CTA, took the L1 carve-out
+// from the GEMVs around it: they ran 40% slower at batch 1, stop 56.)
+//
+// grid: as attention_kernel (x = group of split_group splits, y = kv head, z =
+// sequence * row_blocks + row block). kSplitWarps warps; counted down from the
+// CTA's last visible split, warp w takes splits top - w, top - w - kSplitWarps,
+// ... (the step's own rows, the highest, in the warps' first tiles). Shared
+// memory (dynamic): the CTA's query rows, then with ROPE the step's keys and
+// values ([max_query_length] rows each), rows padded by 16 bytes (8 rows read
+// at one column fall on different banks).
+constexpr int kSplitWarps = 4;
+constexpr int kSplitMaxQueryLength = 64;  // the longest step the kernel takes (shared memory: its rows)
+template <int HEAD_DIM>
+constexpr int kSplitRowStride = HEAD_DIM + 8;  // bf16 elements
+template <int HEAD_DIM>
+constexpr size_t split_attention_shared_bytes(int step_rows) {
+  return static_cast<size_t>(kAttentionRowsPerBlock + 2 * step_rows) * kSplitRowStride<HEAD_DIM> * sizeof(bf16);
+}
+
+__device__ __forceinline__ uint32_t pack_bf16_pair(bf16 low, bf16 high) {
+  return static_cast<uint32_t>(__bfloat16_as_ushort(low)) | (static_cast<uint32_t>(__bfloat16_as_ushort(high)) << 16);
+}
+
+// The 8x8 bf16 matrix whose row g, columns 2c and 2c + 1, lane (g, c) holds,
+// transposed: the lane gets rows 2c and 2c + 1 of column g.
+__device__ __forceinline__ uint32_t transpose_8x8(uint32_t fragment) {
+  uint32_t transposed;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(transposed) : "r"(fragment));
+  return transposed;
+}
+
+// Lane (g, c)'s share of a tile: key and value row 8j + g, dims 32q + 8c .. + 7.
+template <int HEAD_DIM>
+struct TilePieces {
+  uint4 key[kBlockSize / 8][HEAD_DIM / 32];
+  uint4 value[kBlockSize / 8][HEAD_DIM / 32];
+};
+
+// One split of kBlockSize keys (tile_first its first position) for fragment
+// row g (query_position: the last key it sees; query: its dims in the tile's
+// order): the normalized output (dims 32q + 8c + 2e, + 1 in output[q][e][0..1])
+// and log-sum-exp (-inf, output zero, where it sees no key), the same in the
+// four lanes of the row's quad.
+template <int HEAD_DIM>
+__device__ __forceinline__ float split_attention(float (&output)[HEAD_DIM / 32][4][4],
+                                                 const uint4 (&query)[HEAD_DIM / 32],
+                                                 const TilePieces<HEAD_DIM>& tile, int tile_first, int query_position,
+                                                 float scale, int lane) {
+  const int c = lane & 3;
+  // S = Q K^T: key block n (keys 8n .. 8n + 7) of row g at the lane's columns 2c, 2c + 1.
+  float scores[kBlockSize / 8][4] = {};
+#pragma unroll
+  for (int n = 0; n < kBlockSize / 8; ++n) {
+#pragma unroll
+    for (int q = 0; q < HEAD_DIM / 32; ++q) {
+      mma_m16n8k16(scores[n], query[q].x, 0u, query[q].y, 0u, tile.key[n][q].x, tile.key[n][q].y);
+      mma_m16n8k16(scores[n], query[q].z, 0u, query[q].w, 0u, tile.key[n][q].z, tile.key[n][q].w);
+    }
+  }
+  // The split's softmax: the row's 8 scores here, the rest in its quad's other lanes.
+  float maximum = -INFINITY;
+#pragma unroll
+  for (int n = 0; n < kBlockSize / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int key_position = tile_first + 8 * n + 2 * c + e;
+      scores[n][e] = key_position <= query_position ? scores[n][e] * scale : -INFINITY;
+      maximum = fmaxf(maximum, scores[n][e]);
+    }
+  maximum = fmaxf(maximum, __shfl_xor_sync(0xffffffffu, maximum, 1));
+  maximum = fmaxf(maximum, __shfl_xor_sync(0xffffffffu, maximum, 2));
+  uint32_t weights[kBlockSize / 8];  // P of key block n as a bf16 pair (columns 2c, 2c + 1)
+  float sum = 0.0f;
+#pragma unroll
+  for (int n = 0; n < kBlockSize / 8; ++n) {
+    bf16 pair[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      pair[e] = __float2bfloat16(maximum == -INFINITY ? 0.0f : __expf(scores[n][e] - maximum));
+      sum += __bfloat162float(pair[e]);
+    }
+    weights[n] = pack_bf16_pair(pair[0], pair[1]);
+  }
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+  // O = P V, keys 16s .. 16s + 15 a step: the B fragment of block e is the
+  // transposed pair words e of value rows 16s + g and 16s + 8 + g.
+#pragma unroll
+  for (int q = 0; q < HEAD_DIM / 32; ++q)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) output[q][e][0] = output[q][e][1] = output[q][e][2] = output[q][e][3] = 0.0f;
+#pragma unroll
+  for (int step = 0; step < kBlockSize / 16; ++step) {
+#pragma unroll
+    for (int q = 0; q < HEAD_DIM / 32; ++q) {
+      const uint32_t* low = reinterpret_cast<const uint32_t*>(&tile.value[2 * step][q]);
+      const uint32_t* high = reinterpret_cast<const uint32_t*>(&tile.value[2 * step + 1][q]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        mma_m16n8k16(output[q][e], weights[2 * step], 0u, weights[2 * step + 1], 0u, transpose_8x8(low[e]),
+                     transpose_8x8(high[e]));
+    }
+  }
+  const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma unroll
+  for (int q = 0; q < HEAD_DIM / 32; ++q)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) output[q][e][0] *= inverse, output[q][e][1] *= inverse;
+  return sum > 0.0f ? maximum + __logf(sum) : -INFINITY;
+}
+
+template <int HEAD_DIM, bool ROPE>
+__global__ void __launch_bounds__(kSplitWarps * 32)
+    split_attention_kernel(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_cache,
+                           AttentionBatch batch, int heads, int kv_heads, int splits, int split_group, int row_blocks,
+                           float* partial_out, float* partial_lse, unsigned* counters, int total_rows,
+                           AttentionRope rope) {
+  static_assert(kSplitTiles == 1 && kBlockSize == 32 && kAttentionRowsPerBlock == 8 && HEAD_DIM % 32 == 0);
+  constexpr int kWarps = kSplitWarps;
+  constexpr int kStride = kSplitRowStride<HEAD_DIM>;
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  bf16* queries = reinterpret_cast<bf16*>(shared_bytes);             // [kAttentionRowsPerBlock][kStride]
+  bf16* step_keys = queries + kAttentionRowsPerBlock * kStride;      // [max_query_length][kStride] (ROPE)
+  bf16* step_values = step_keys + batch.max_query_length * kStride;  // [max_query_length][kStride] (ROPE)
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const RowBlock block = row_block_of(batch, heads, kv_heads, row_blocks);
+  if (block.first_row >= block.rows) return;  // nothing to do, nothing to wait for
+  const float scale = rsqrtf(static_cast<float>(HEAD_DIM));
+  const int first_split = blockIdx.x * split_group, end_split = min(splits, first_split + split_group);
+  const int top = min(end_split, block.tiles) - 1;  // the CTA's last split with a visible key (< first_split: none)
+  const long row_heads = static_cast<long>(total_rows) * heads;
+  const long qkv_width = static_cast<long>(heads + 2 * kv_heads) * HEAD_DIM;
+  // The tile's rows at positions [from, to) into the lane's pieces: from the
+  // cache, or with ROPE the step's own rows from shared memory. (Rows past
+  // those the step fills stay zero: masked, and P V multiplies them by 0.)
+  auto load_tile = [&](TilePieces<HEAD_DIM>& pieces, int tile, int from, int to) {
+    const long slot0 = static_cast<long>(block.blocks[tile]) * kBlockSize;
+#pragma unroll
+    for (int j = 0; j < kBlockSize / 8; ++j) {
+      const int position = tile * kBlockSize + 8 * j + g;
+      if (position < from || position >= to) continue;
+      const bf16 *key_row, *value_row;
+      if (ROPE && position >= block.first_query_position) {
+        key_row = step_keys + (position - block.first_query_position) * kStride;
+        value_row = step_values + (position - block.first_query_position) * kStride;
+      } else {
+        const long offset = ((slot0 + 8 * j + g) * kv_heads + block.kv_head) * HEAD_DIM;
+        key_row = key_cache + offset;
+        value_row = value_cache + offset;
+      }
+#pragma unroll
+      for (int piece = 0; piece < HEAD_DIM / 32; ++piece) {
+        pieces.key[j][piece] = *reinterpret_cast<const uint4*>(key_row + 32 * piece + 8 * c);
+        pieces.value[j][piece] = *reinterpret_cast<const uint4*>(value_row + 32 * piece + 8 * c);
+      }
+    }
+  };
+  const int filled_end = ROPE ? block.visible_end : block.length;
+  // Before the wait: this warp's first tile's cached rows (no kernel of this step writes them).
+  const int first_tile = top - warp;
+  TilePieces<HEAD_DIM> pieces = {};
+  if (first_tile >= first_split) load_tile(pieces, first_tile, 0, block.first_query_position);
+  wait_for_previous_kernel();
+  start_next_kernel();
+
+  // The CTA's query rows, a warp each (bf16, as attention_kernel reads or computes them); rows past `rows` zero.
+  for (int local = warp; local < kAttentionRowsPerBlock; local += kWarps) {
+    const int row = block.first_row + local;
+    bf16* query_row = queries + local * kStride;
+    if (row >= block.rows) {
+      for (int i = lane; i < HEAD_DIM; i += 32) query_row[i] = __float2bfloat16(0.0f);
+      continue;
+    }
+    const int token = row / block.group, head = block.kv_head * block.group + row % block.group;
+    if constexpr (ROPE) {
+      const RopeLane constants =
+          load_rope_lane(rope.q_norm, rope.rope_table, rope.positions[block.query_start + token], HEAD_DIM, lane);
+      norm_rope_row(rope.qkv + (block.query_start + token) * qkv_width + static_cast<long>(head) * HEAD_DIM, constants,
+                    rope.q_norm != nullptr, HEAD_DIM, rope.eps, lane, [&](int i, bf16 value) { query_row[i] = value; });
+    } else {
+      for (int i = lane; i < HEAD_DIM; i += 32)
+        query_row[i] = q[(static_cast<long>(block.query_start + token) * heads + head) * HEAD_DIM + i];
+    }
+  }
+  if constexpr (ROPE) {
+    // The step's rows this CTA sees, a warp each, as attention_kernel computes
+    // them: the key normed and rotated, the value as it is. The CTA of the row
+    // block that holds the token's first query row appends them to the cache.
+    // (Counted from the last warp down: in a decode step the key's chain of
+    // loads runs beside the query rows' instead of after one of them.)
+    const int begin = max(block.first_query_position, first_split * kBlockSize);
+    const int end = min(block.visible_end, (top + 1) * kBlockSize);
+    for (int position = begin + (kWarps - 1 - warp); position < end; position += kWarps) {
+      const int token = position - block.first_query_position;
+      step_key_value<HEAD_DIM>(rope, block.query_start + token, heads, kv_heads, block.kv_head,
+                               block.row_block == token * block.group / kAttentionRowsPerBlock,
+                               step_keys + token * kStride, step_values + token * kStride, lane);
+    }
+  }
+  __syncthreads();  // the queries and the step's rows are in place
+  if (first_tile >= first_split) load_tile(pieces, first_tile, block.first_query_position, filled_end);
+
+  // Fragment row g: its dims in the tiles' order, its query position and its row of partial_out / out.
+  uint4 query[HEAD_DIM / 32];
+#pragma unroll
+  for (int piece = 0; piece < HEAD_DIM / 32; ++piece)
+    query[piece] = *reinterpret_cast<const uint4*>(queries + g * kStride + 32 * piece + 8 * c);
+  const int row = block.first_row + g;
+  const bool row_valid = row < block.rows;
+  const int query_position = block.first_query_position + row / block.group;
+  const long out_row = row_valid ? static_cast<long>(block.query_start + row / block.group) * heads +
+                                       block.kv_head * block.group + row % block.group
+                                 : -1;
+  for (int tile = first_tile; tile >= first_split; tile -= kWarps) {
+    if (tile != first_tile) {
+      pieces = {};
+      load_tile(pieces, tile, 0, filled_end);
+    }
+    float output[HEAD_DIM / 32][4][4];
+    const float lse =
+        split_attention<HEAD_DIM>(output, query, pieces, tile * kBlockSize, query_position, scale, lane);
+    if (row_valid) {
+      float* partial = partial_out + (tile * row_heads + out_row) * HEAD_DIM;
+#pragma unroll
+      for (int piece = 0; piece < HEAD_DIM / 32; ++piece) {
+        const float(&o)[4][4] = output[piece];
+        float4* eight = reinterpret_cast<float4*>(partial + 32 * piece + 8 * c);
+        eight[0] = make_float4(o[0][0], o[0][1], o[1][0], o[1][1]);
+        eight[1] = make_float4(o[2][0], o[2][1], o[3][0], o[3][1]);
+      }
+      if (c == 0) partial_lse[tile * row_heads + out_row] = lse;
+    }
+  }
+  // Splits past the block's last visible key: nothing to add.
+  for (int split = max(first_split, block.tiles) + warp; split < end_split; split += kWarps)
+    if (row_valid && c == 0) partial_lse[split * row_heads + out_row] = -INFINITY;
+
+  // The last split group of this (sequence, kv head, row block) to finish merges them all, a warp a row.
+  unsigned* counter = counters + static_cast<long>(blockIdx.z) * gridDim.y + blockIdx.y;
+  if (!took_last_ticket(counter, gridDim.x)) return;
+  for (int local = warp; local < kAttentionRowsPerBlock; local += kWarps) {
+    const int merged_row = block.first_row + local;
+    if (merged_row >= block.rows) break;
+    const long merged_out_row = static_cast<long>(block.query_start + merged_row / block.group) * heads +
+                                block.kv_head * block.group + merged_row % block.group;
+    merge_splits<HEAD_DIM>(out, partial_out, partial_lse, splits, row_heads, merged_out_row, lane);
+  }
+  if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
+}
+
+template <int HEAD_DIM>
+void launch_split(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_cache,
+                  const AttentionBatch& batch, int total_rows, int heads, int kv_heads, int splits, float* partial_out,
+                  float* partial_lse, unsigned* counters, cudaStream_t stream, const AttentionRope* rope) {
+  auto kernel = rope ? split_attention_kernel<HEAD_DIM, true> : split_attention_kernel<HEAD_DIM, false>;
+  const size_t shared = split_attention_shared_bytes<HEAD_DIM>(rope ? batch.max_query_length : 0);
+  // The CTAs a multiprocessor holds (at the longest step's shared memory) size the split groups.
+  static const long resident = [] {
+    constexpr size_t kMostShared = split_attention_shared_bytes<HEAD_DIM>(kSplitMaxQueryLength);
+    static_assert(kMostShared <= 48 * 1024, "above 48 KiB a launch needs an opt-in");
+    long fewest = LONG_MAX;
+    for (auto each : {split_attention_kernel<HEAD_DIM, true>, split_attention_kernel<HEAD_DIM, false>}) {
+      int per_multiprocessor = 0;
+      CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, each, kSplitWarps * 32,
+                                                               kMostShared));
+      fewest = std::min(fewest, static_cast<long>(per_multiprocessor) * multiprocessor_count());
+    }
+    return fewest;
+  }();
+  const int row_blocks = attention_row_blocks(batch.max_query_length, heads, kv_heads);
+  // A CTA takes at least a split a warp, and more (a power of two) while the
+  // grid would overflow one wave.
+  const long blocks_per_split = static_cast<long>(kv_heads) * batch.sequences * row_blocks;
+  int split_group = kSplitWarps;
+  while (split_group < splits && ceil_div(splits, split_group) * blocks_per_split > resident) split_group *= 2;
+  const dim3 grid(ceil_div(splits, split_group), kv_heads, batch.sequences * row_blocks);
+  launch_dependent(kernel, grid, kSplitWarps * 32, shared, stream, out, q, key_cache, value_cache, batch, heads,
+                   kv_heads, splits, split_group, row_blocks, partial_out, partial_lse, counters, total_rows,
+                   rope ? *rope : AttentionRope{});
   CUDA_CHECK_LAUNCH();
 }
 
@@ -621,6 +976,15 @@ void attention_forward(bf16* out, const bf16* q, const bf16* key_cache, const bf
                              : head_dim == 128 ? launch<128>
                                                : nullptr;
   if (!launch_for_head_dim) fail("attention: head_dim ", head_dim, " is not supported (16, 32, 64, 128)");
+  // Decode and verify steps (splits > 1) on tensor cores, unless DSPARK_ATTENTION_SCALAR=1 (comparison).
+  static const bool scalar = environment_switch_on("DSPARK_ATTENTION_SCALAR");
+  auto split_for_head_dim = head_dim == 32    ? launch_split<32>
+                            : head_dim == 64  ? launch_split<64>
+                            : head_dim == 128 ? launch_split<128>
+                                              : nullptr;
+  // (Its shared memory holds the step's rows: kSplitMaxQueryLength at most, the engine's graphed steps.)
+  const bool step_fits = batch.max_query_length <= kSplitMaxQueryLength;
+  if (splits > 1 && split_for_head_dim && step_fits && !scalar) launch_for_head_dim = split_for_head_dim;
   launch_for_head_dim(out, q, key_cache, value_cache, batch, total_rows, heads, kv_heads, splits, partial_out,
                       partial_lse, counters, stream, rope);
 }

@@ -56,6 +56,12 @@ struct AttentionRope {
 // kBlockSize)); the partial buffers and `counters` (attention_counters(...)
 // of them, zeroed before the first call; every call leaves them zeroed) are
 // only used when splits > 1.
+// Two kernels with different roundings: splits = 1 in f32 on CUDA cores;
+// splits > 1 (head_dim 32-128, max_query_length <= 64) on tensor cores, with
+// the softmax weights rounded to bf16 for P V. A row's bits depend only on
+// its own keys and the split boundaries, so a caller that wants a token to
+// get the same bits whether decoded or verified keeps splits > 1 in both
+// (DSPARK_ATTENTION_SCALAR=1 runs every call on the CUDA-core kernel).
 // rope: null (q holds the step's queries and the cache its keys and values
 // already), or the step before, fused in (q is then unused).
 void attention_forward(__nv_bfloat16* out, const __nv_bfloat16* q, const __nv_bfloat16* key_cache,
