@@ -1,9 +1,8 @@
 #include <algorithm>
 #include <climits>
 
-#include "kernels/cuda/attention.h"
-
 #include "core/environment.h"
+#include "kernels/cuda/attention.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device.h"
@@ -362,8 +361,9 @@ __global__ void __launch_bounds__(kWarps * 32, kAttentionBlocksPerMultiprocessor
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
     const long out_row = out_row_of(r);
-    if (out_row >= 0) merge_splits<HEAD_DIM>(out, partial_out, partial_lse, splits, static_cast<long>(total_rows) * heads,
-                                          out_row, lane);
+    if (out_row >= 0)
+      merge_splits<HEAD_DIM>(out, partial_out, partial_lse, splits, static_cast<long>(total_rows) * heads, out_row,
+                             lane);
   }
   if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
 }
@@ -466,9 +466,8 @@ struct TilePieces {
 // four lanes of the row's quad.
 template <int HEAD_DIM>
 __device__ __forceinline__ float split_attention(float (&output)[HEAD_DIM / 32][4][4],
-                                                 const uint4 (&query)[HEAD_DIM / 32],
-                                                 const TilePieces<HEAD_DIM>& tile, int tile_first, int query_position,
-                                                 float scale, int lane) {
+                                                 const uint4 (&query)[HEAD_DIM / 32], const TilePieces<HEAD_DIM>& tile,
+                                                 int tile_first, int query_position, float scale, int lane) {
   const int c = lane & 3;
   // S = Q K^T: key block n (keys 8n .. 8n + 7) of row g at the lane's columns 2c, 2c + 1.
   float scores[kBlockSize / 8][4] = {};
@@ -640,8 +639,7 @@ __global__ void __launch_bounds__(kSplitWarps * 32)
       load_tile(pieces, tile, 0, filled_end);
     }
     float output[HEAD_DIM / 32][4][4];
-    const float lse =
-        split_attention<HEAD_DIM>(output, query, pieces, tile * kBlockSize, query_position, scale, lane);
+    const float lse = split_attention<HEAD_DIM>(output, query, pieces, tile * kBlockSize, query_position, scale, lane);
     if (row_valid) {
       float* partial = partial_out + (tile * row_heads + out_row) * HEAD_DIM;
 #pragma unroll
@@ -672,9 +670,9 @@ __global__ void __launch_bounds__(kSplitWarps * 32)
 }
 
 template <int HEAD_DIM>
-void launch_split(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_cache,
-                  const AttentionBatch& batch, int total_rows, int heads, int kv_heads, int splits, float* partial_out,
-                  float* partial_lse, unsigned* counters, cudaStream_t stream, const AttentionRope* rope) {
+void launch_split(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_cache, const AttentionBatch& batch,
+                  int total_rows, int heads, int kv_heads, int splits, float* partial_out, float* partial_lse,
+                  unsigned* counters, cudaStream_t stream, const AttentionRope* rope) {
   auto kernel = rope ? split_attention_kernel<HEAD_DIM, true> : split_attention_kernel<HEAD_DIM, false>;
   const size_t shared = split_attention_shared_bytes<HEAD_DIM>(rope ? batch.max_query_length : 0);
   // The CTAs a multiprocessor holds (at the longest step's shared memory) size the split groups.
@@ -684,8 +682,8 @@ void launch_split(bf16* out, const bf16* q, const bf16* key_cache, const bf16* v
     long fewest = LONG_MAX;
     for (auto each : {split_attention_kernel<HEAD_DIM, true>, split_attention_kernel<HEAD_DIM, false>}) {
       int per_multiprocessor = 0;
-      CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, each, kSplitWarps * 32,
-                                                               kMostShared));
+      CUDA_CHECK(
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, each, kSplitWarps * 32, kMostShared));
       fewest = std::min(fewest, static_cast<long>(per_multiprocessor) * multiprocessor_count());
     }
     return fewest;
