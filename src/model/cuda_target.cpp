@@ -59,6 +59,9 @@ using cuda::PinnedBuffer;
 
 constexpr int kMaxGraphBatch = 64;        // batch buckets 1, 2, 4, ... 64
 constexpr int kMaxGraphTokens = 64;       // tokens per sequence in a graphed step
+// Every graphed step's attention (decode and verify, splits > 1) runs one
+// kernel, so a token gets the same bits decoded or verified.
+static_assert(kMaxGraphTokens <= cuda::kSplitMaxQueryLength);
 // The tap ring: a step of at most kTapRingSlotRows tokens also leaves its
 // tapped rows in slot (serial mod kTapRingSlots) of a ring, where they stay
 // through the next kTapRingSlots - 1 such steps (TargetResult::device_taps_intact):

@@ -45,6 +45,18 @@ __device__ __forceinline__ void step_key_value(const AttentionRope& rope, long q
   }
 }
 
+// Query head `head` of row qkv_row of the QKV GEMM's output, normed and
+// rotated with the bits of the RoPE kernel, element i handed to store(i,
+// value). Every lane of the warp calls it.
+template <int HEAD_DIM, typename Store>
+__device__ __forceinline__ void rope_query_row(const AttentionRope& rope, long qkv_row, int head, int heads,
+                                               int kv_heads, int lane, Store store) {
+  const long qkv_width = static_cast<long>(heads + 2 * kv_heads) * HEAD_DIM;
+  const RopeLane constants = load_rope_lane(rope.q_norm, rope.rope_table, rope.positions[qkv_row], HEAD_DIM, lane);
+  norm_rope_row(rope.qkv + qkv_row * qkv_width + static_cast<long>(head) * HEAD_DIM, constants, rope.q_norm != nullptr,
+                HEAD_DIM, rope.eps, lane, store);
+}
+
 // The splits' partial results of one query row (out_row of `out`) merged,
 // softmax-weighted by each split's log-sum-exp: a warp per row, a lane per
 // dim, the splits in order. Split s of the row is partial_out[s * row_heads +
@@ -79,36 +91,60 @@ __device__ __forceinline__ void merge_splits(bf16* out, const float* partial_out
 
 // What a CTA of a step kernel (attention_kernel, split_attention_kernel)
 // works on, from its grid position (y = kv head, z = sequence * row_blocks +
-// row block): query rows [first_row, last_row] of its kv head's (query token,
-// head in group) pairs, row r being token r / group.
+// row block): kAttentionRowsPerBlock query rows from first_row of its kv
+// head's (query token, head in group) pairs, row r being token r / group.
 struct RowBlock {
-  int sequence, row_block, kv_head;
+  int row_block, kv_head;
   int group;                 // query heads a kv head
   int rows;                  // the kv head's (query token, head in group) pairs; none here if first_row >= rows
-  int first_row, last_row;   // the CTA's; the last one bounds the causal range it needs
+  int first_row;             // the CTA's first
   int length;                // the sequence's positions, the query tokens its last
   int first_query_position;  // length - query length
   int query_start;           // the sequence's first row in the step's tokens
-  int visible_end;           // past the CTA's last visible key
+  int visible_end;           // past the CTA's last visible key (its last row's)
   int tiles;                 // cache blocks holding a visible key
   const int32_t* blocks;     // the sequence's block table
+
+  __device__ int token(int row) const { return row / group; }                   // of the sequence's query tokens
+  __device__ int head(int row) const { return kv_head * group + row % group; }  // of the query heads
+  // Row `row`'s row of out / partial_out ([tokens, heads]), or -1 past the kv head's rows.
+  __device__ long out_row(int row, int heads) const {
+    return row < rows ? static_cast<long>(query_start + token(row)) * heads + head(row) : -1;
+  }
 };
 __device__ __forceinline__ RowBlock row_block_of(const AttentionBatch& batch, int heads, int kv_heads, int row_blocks) {
   RowBlock block;
-  block.sequence = blockIdx.z / row_blocks, block.row_block = blockIdx.z % row_blocks;
+  const int sequence = blockIdx.z / row_blocks;
+  block.row_block = blockIdx.z % row_blocks;
   block.kv_head = blockIdx.y;
   block.group = heads / kv_heads;
-  const int query_length = batch.query_length[block.sequence];
+  const int query_length = batch.query_length[sequence];
   block.rows = query_length * block.group;
   block.first_row = block.row_block * kAttentionRowsPerBlock;
-  block.last_row = min(block.rows, block.first_row + kAttentionRowsPerBlock) - 1;
-  block.length = batch.sequence_length[block.sequence];
+  block.length = batch.sequence_length[sequence];
   block.first_query_position = block.length - query_length;
-  block.query_start = batch.query_start[block.sequence];
-  block.visible_end = block.first_query_position + block.last_row / block.group + 1;
+  block.query_start = batch.query_start[sequence];
+  const int last_row = min(block.rows, block.first_row + kAttentionRowsPerBlock) - 1;
+  block.visible_end = block.first_query_position + block.token(last_row) + 1;
   block.tiles = (block.visible_end + kBlockSize - 1) / kBlockSize;
-  block.blocks = batch.block_tables + static_cast<long>(batch.table_row[block.sequence]) * batch.max_blocks;
+  block.blocks = batch.block_tables + static_cast<long>(batch.table_row[sequence]) * batch.max_blocks;
   return block;
+}
+
+// The last CTA of its (sequence, kv head, row block) to finish its splits
+// merges the block's rows (merge_splits), a warp a row, and leaves the
+// counter zeroed for the next launch.
+template <int HEAD_DIM, int WARPS>
+__device__ __forceinline__ void merge_if_last(const RowBlock& block, bf16* out, const float* partial_out,
+                                              const float* partial_lse, unsigned* counters, int splits, long row_heads,
+                                              int heads, int warp, int lane) {
+  unsigned* counter = counters + static_cast<long>(blockIdx.z) * gridDim.y + blockIdx.y;
+  if (!took_last_ticket(counter, gridDim.x)) return;
+  for (int local = warp; local < kAttentionRowsPerBlock; local += WARPS) {
+    const long out_row = block.out_row(block.first_row + local, heads);
+    if (out_row >= 0) merge_splits<HEAD_DIM>(out, partial_out, partial_lse, splits, row_heads, out_row, lane);
+  }
+  if (threadIdx.x == 0) *counter = 0;
 }
 
 // grid: x = group of split_group KV splits, y = kv head, z = sequence *
@@ -196,26 +232,17 @@ __global__ void __launch_bounds__(kWarps * 32, kAttentionBlocksPerMultiprocessor
   // below, not loaded; rows past the end are stale, and masked.
   if (tile_begin < tile_end)
     load_tile(first_slot, tile_begin, ROPE ? block.length : block.first_query_position, INT_MAX);
-  const long qkv_width = static_cast<long>(heads + 2 * kv_heads) * HEAD_DIM;
   if constexpr (ROPE) {
-    if (query_row < block.rows) {  // (rows past it are never read)
-      const int token = query_row / block.group, head = block.kv_head * block.group + query_row % block.group;
-      const RopeLane constants =
-          load_rope_lane(rope.q_norm, rope.rope_table, rope.positions[block.query_start + token], HEAD_DIM, lane);
-      norm_rope_row(rope.qkv + (block.query_start + token) * qkv_width + static_cast<long>(head) * HEAD_DIM, constants,
-                    rope.q_norm != nullptr, HEAD_DIM, rope.eps, lane,
-                    [&](int i, bf16 value) { queries[warp][i] = __bfloat162float(value); });
-    }
+    if (query_row < block.rows)  // (rows past it are never read)
+      rope_query_row<HEAD_DIM>(rope, block.query_start + block.token(query_row), block.head(query_row), heads, kv_heads,
+                               lane, [&](int i, bf16 value) { queries[warp][i] = __bfloat162float(value); });
   } else {
 #pragma unroll
     for (int i = threadIdx.x; i < kAttentionRowsPerBlock * HEAD_DIM; i += kWarps * 32) {  // unrolled: loads overlap
       const int local = i / HEAD_DIM, row = block.first_row + local;
       float value = 0.0f;
-      if (row < block.rows) {
-        const int token = row / block.group, head = block.kv_head * block.group + row % block.group;
-        value = __bfloat162float(
-            q[(static_cast<long>(block.query_start + token) * heads + head) * HEAD_DIM + i % HEAD_DIM]);
-      }
+      const long out_row = block.out_row(row, heads);  // (q has out's rows)
+      if (out_row >= 0) value = __bfloat162float(q[out_row * HEAD_DIM + i % HEAD_DIM]);
       queries[local][i % HEAD_DIM] = value;
     }
   }
@@ -228,12 +255,7 @@ __global__ void __launch_bounds__(kWarps * 32, kAttentionBlocksPerMultiprocessor
     for (int d = 0; d < kDimsPerLane; ++d) accumulator[r][d] = 0.0f;
   }
   // This warp's r-th row of `out` (its query token and head), or -1 past the block's rows.
-  auto out_row_of = [&](int r) -> long {
-    const int row = block.first_row + r * kWarps + warp;
-    return row < block.rows ? static_cast<long>(block.query_start + row / block.group) * heads +
-                                  block.kv_head * block.group + row % block.group
-                            : -1;
-  };
+  auto out_row_of = [&](int r) { return block.out_row(block.first_row + r * kWarps + warp, heads); };
   // A split's result: `out` itself when there is one split, else its partial
   // (normalized output and log-sum-exp, -inf when no key was visible); the
   // softmax state restarts for the next.
@@ -300,7 +322,7 @@ __global__ void __launch_bounds__(kWarps * 32, kAttentionBlocksPerMultiprocessor
     for (int r = 0; r < kRowsPerWarp; ++r) {
       const int local = r * kWarps + warp, row = block.first_row + local;
       if (row >= block.rows) continue;
-      const int query_position = block.first_query_position + row / block.group;
+      const int query_position = block.first_query_position + block.token(row);
       float score = -INFINITY;
       if (key_position <= query_position) {
         // Four elements per load of the key and the query; four independent
@@ -356,16 +378,8 @@ __global__ void __launch_bounds__(kWarps * 32, kAttentionBlocksPerMultiprocessor
   // lane per dim, the splits in order, with the arithmetic (and the bits) of
   // the merge kernel this replaces, which ended 2.6-2.9 us after this kernel
   // in every step and layer (kernel trace, H100).
-  unsigned* counter = counters + static_cast<long>(blockIdx.z) * gridDim.y + blockIdx.y;
-  if (!took_last_ticket(counter, gridDim.x)) return;
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    const long out_row = out_row_of(r);
-    if (out_row >= 0)
-      merge_splits<HEAD_DIM>(out, partial_out, partial_lse, splits, static_cast<long>(total_rows) * heads, out_row,
-                             lane);
-  }
-  if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
+  merge_if_last<HEAD_DIM, kWarps>(block, out, partial_out, partial_lse, counters, splits,
+                                  static_cast<long>(total_rows) * heads, heads, warp, lane);
 }
 
 template <int HEAD_DIM>
@@ -432,7 +446,6 @@ void launch(bf16* out, const bf16* q, const bf16* key_cache, const bf16* value_c
 // values ([max_query_length] rows each), rows padded by 16 bytes (8 rows read
 // at one column fall on different banks).
 constexpr int kSplitWarps = 4;
-constexpr int kSplitMaxQueryLength = 64;  // the longest step the kernel takes (shared memory: its rows)
 template <int HEAD_DIM>
 constexpr int kSplitRowStride = HEAD_DIM + 8;  // bf16 elements
 template <int HEAD_DIM>
@@ -551,7 +564,6 @@ __global__ void __launch_bounds__(kSplitWarps * 32)
   const int first_split = blockIdx.x * split_group, end_split = min(splits, first_split + split_group);
   const int top = min(end_split, block.tiles) - 1;  // the CTA's last split with a visible key (< first_split: none)
   const long row_heads = static_cast<long>(total_rows) * heads;
-  const long qkv_width = static_cast<long>(heads + 2 * kv_heads) * HEAD_DIM;
   // The tile's rows at positions [from, to) into the lane's pieces: from the
   // cache, or with ROPE the step's own rows from shared memory. (Rows past
   // those the step fills stay zero: masked, and P V multiplies them by 0.)
@@ -593,15 +605,11 @@ __global__ void __launch_bounds__(kSplitWarps * 32)
       for (int i = lane; i < HEAD_DIM; i += 32) query_row[i] = __float2bfloat16(0.0f);
       continue;
     }
-    const int token = row / block.group, head = block.kv_head * block.group + row % block.group;
     if constexpr (ROPE) {
-      const RopeLane constants =
-          load_rope_lane(rope.q_norm, rope.rope_table, rope.positions[block.query_start + token], HEAD_DIM, lane);
-      norm_rope_row(rope.qkv + (block.query_start + token) * qkv_width + static_cast<long>(head) * HEAD_DIM, constants,
-                    rope.q_norm != nullptr, HEAD_DIM, rope.eps, lane, [&](int i, bf16 value) { query_row[i] = value; });
+      rope_query_row<HEAD_DIM>(rope, block.query_start + block.token(row), block.head(row), heads, kv_heads, lane,
+                               [&](int i, bf16 value) { query_row[i] = value; });
     } else {
-      for (int i = lane; i < HEAD_DIM; i += 32)
-        query_row[i] = q[(static_cast<long>(block.query_start + token) * heads + head) * HEAD_DIM + i];
+      for (int i = lane; i < HEAD_DIM; i += 32) query_row[i] = q[block.out_row(row, heads) * HEAD_DIM + i];
     }
   }
   if constexpr (ROPE) {
@@ -629,10 +637,8 @@ __global__ void __launch_bounds__(kSplitWarps * 32)
     query[piece] = *reinterpret_cast<const uint4*>(queries + g * kStride + 32 * piece + 8 * c);
   const int row = block.first_row + g;
   const bool row_valid = row < block.rows;
-  const int query_position = block.first_query_position + row / block.group;
-  const long out_row = row_valid ? static_cast<long>(block.query_start + row / block.group) * heads +
-                                       block.kv_head * block.group + row % block.group
-                                 : -1;
+  const int query_position = block.first_query_position + block.token(row);
+  const long out_row = block.out_row(row, heads);
   for (int tile = first_tile; tile >= first_split; tile -= kWarps) {
     if (tile != first_tile) {
       pieces = {};
@@ -656,17 +662,7 @@ __global__ void __launch_bounds__(kSplitWarps * 32)
   for (int split = max(first_split, block.tiles) + warp; split < end_split; split += kWarps)
     if (row_valid && c == 0) partial_lse[split * row_heads + out_row] = -INFINITY;
 
-  // The last split group of this (sequence, kv head, row block) to finish merges them all, a warp a row.
-  unsigned* counter = counters + static_cast<long>(blockIdx.z) * gridDim.y + blockIdx.y;
-  if (!took_last_ticket(counter, gridDim.x)) return;
-  for (int local = warp; local < kAttentionRowsPerBlock; local += kWarps) {
-    const int merged_row = block.first_row + local;
-    if (merged_row >= block.rows) break;
-    const long merged_out_row = static_cast<long>(block.query_start + merged_row / block.group) * heads +
-                                block.kv_head * block.group + merged_row % block.group;
-    merge_splits<HEAD_DIM>(out, partial_out, partial_lse, splits, row_heads, merged_out_row, lane);
-  }
-  if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
+  merge_if_last<HEAD_DIM, kWarps>(block, out, partial_out, partial_lse, counters, splits, row_heads, heads, warp, lane);
 }
 
 template <int HEAD_DIM>
@@ -980,7 +976,6 @@ void attention_forward(bf16* out, const bf16* q, const bf16* key_cache, const bf
                             : head_dim == 64  ? launch_split<64>
                             : head_dim == 128 ? launch_split<128>
                                               : nullptr;
-  // (Its shared memory holds the step's rows: kSplitMaxQueryLength at most, the engine's graphed steps.)
   const bool step_fits = batch.max_query_length <= kSplitMaxQueryLength;
   if (splits > 1 && split_for_head_dim && step_fits && !scalar) launch_for_head_dim = split_for_head_dim;
   launch_for_head_dim(out, q, key_cache, value_cache, batch, total_rows, heads, kv_heads, splits, partial_out,

@@ -72,6 +72,11 @@ void attention_forward(__nv_bfloat16* out, const __nv_bfloat16* q, const __nv_bf
 // Query rows one CTA handles (per kv head); sizes the grid.
 constexpr int kAttentionRowsPerBlock = 8;
 
+// The longest step (query tokens a sequence) the tensor-core kernel takes
+// (its shared memory holds the step's rows); a longer one with splits > 1
+// runs on the CUDA-core kernel, with other bits.
+constexpr int kSplitMaxQueryLength = 64;
+
 // Row blocks a sequence of at most max_query_length query tokens takes (per kv head).
 constexpr int attention_row_blocks(int max_query_length, int heads, int kv_heads) {
   const long rows = long(max_query_length) * (heads / kv_heads);
