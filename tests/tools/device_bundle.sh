@@ -6,13 +6,22 @@
 # runtimes; the cairo driver and its libraries for PNG plots, packed), the
 # binaries and libraries xz-compressed (the device tool carries at most 64 MiB
 # with the tree); tests/tools/device_unpack.sh, run there first, restores them.
-# The tree (~63 MB) and all of .device (~15 MB) exceed that together: carry
+# The tree (~66 MB) and all of .device (~19 MB) exceed that together: carry
 # .device without what a call does not need (plot-runtime.tar.gz, one of the
 # binaries), and move models/dspark-drafter-gamma10 out of the checkout for
 # the call when it is not used there (a tracked file missing from the working
 # tree does not travel), then back.
+#
+# --with-target also packs the shipped target's weights (38.6 MB, 27.3 MB
+# compressed) as .device/model/model.safetensors.xz, for a call that carries
+# the tree without models/dspark-target/model.safetensors (moved out for it):
+# device_unpack.sh puts them back in place there. That leaves ~20 MB of the
+# 64 MiB for .device: the widened pair's measurements (bench/device_compare.sh)
+# travel that way with two or three builds of dspark.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+with_target=0
+[ "${1:-}" = --with-target ] && with_target=1
 scripts/build.sh >/dev/null
 rm -rf .device && mkdir -p .device/bin .device/lib
 cp build/dspark build/dspark_cuda_tests .device/bin/
@@ -57,5 +66,9 @@ printf '<?xml version="1.0"?>\n<fontconfig><dir prefix="relative">.</dir><cached
 copy_libraries "$drivers/cairo.so" "$staging/lib"
 tar -C "$staging" -czf .device/plot-runtime.tar.gz .
 rm -rf "$staging"
-xz -T0 -6 .device/bin/* .device/lib/*
+if ((with_target)); then
+  mkdir -p .device/model
+  cp models/dspark-target/model.safetensors .device/model/
+fi
+xz -T0 -6 .device/*/*
 du -sh .device
