@@ -7,7 +7,13 @@
 # alike. Prints bench/spec_phases.py's lines (speed-up, tau, the round's
 # phases); the JSON goes to $OUT (the device tool's) or /tmp/compare.
 #
-#   bench/device_compare.sh [--rounds N] [--batch LIST] [-n TOKENS] BUILD...
+# --trace instead records each build's kernels (the CUPTI tracer in
+# .device/lib, bench/kernel_trace.cpp) at each batch of LIST alone: the first
+# 4 prompts, 128 tokens (-n), every round drafting all positions (--schedule
+# off, so that the rounds have one shape), and prints bench/trace_rounds.py's
+# phases and kernels per plain step and verify ($OUT/trace-BUILD-bB.txt).
+#
+#   bench/device_compare.sh [--rounds N] [--batch LIST] [-n TOKENS] [--trace] BUILD...
 #
 # BUILD: a binary's name in .device/bin: tests/tools/device_bundle.sh
 # --with-target packs build/dspark (as dspark) and the target's weights; add
@@ -15,31 +21,56 @@
 # tests/tools/device_unpack.sh first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds=2 batch=1,4 tokens=256
+rounds=2 batch=1,4 tokens='' trace=0
 while (($#)); do
   case "$1" in
     --rounds) rounds=$2; shift 2 ;;
     --batch) batch=$2; shift 2 ;;
     -n) tokens=$2; shift 2 ;;
+    --trace) trace=1; shift ;;
     *) break ;;
   esac
 done
-(($#)) || { sed -n '2,15p' "$0"; exit 2; }
+(($#)) || { sed -n '2,21p' "$0"; exit 2; }
 export LD_LIBRARY_PATH="$PWD/.device/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 for build in "$@"; do [ -x ".device/bin/$build" ] || { echo "no build .device/bin/$build" >&2; exit 2; }; done
+tracer=$PWD/.device/lib/libdspark_kernel_trace.so
+((trace == 0)) || [ -f "$tracer" ] || { echo "no kernel tracer $tracer (device_bundle.sh packs it where CUPTI is installed)" >&2; exit 2; }
 out=${OUT:-/tmp/compare}
 mkdir -p "$out"
 if [ ! -f /tmp/wide/dspark-drafter-x16/dspark.json ]; then
   python3 bench/widen_checkpoint.py --factor 4 --target models/dspark-target --drafter models/dspark-drafter \
     --out /tmp/wide >"$out/widen.log"
 fi
+spec() {  # spec BUILD PROMPTS [bench spec options]: the x16 pair, continuous batching
+  local build=$1 prompts=$2
+  shift 2
+  ".device/bin/$build" bench spec --device cuda -m /tmp/wide/dspark-target-x16 -d /tmp/wide/dspark-drafter-x16 \
+    --prompts "$prompts" --continuous "$@"
+}
+
+if ((trace)); then
+  head -4 data/prompts/heldout_code.jsonl >/tmp/compare-prompts.jsonl
+  for build in "$@"; do
+    for size in ${batch//,/ }; do
+      label="trace-$build-b$size"
+      CUDA_INJECTION64_PATH=$tracer DSPARK_KERNEL_TRACE=/tmp/compare-trace.csv \
+        spec "$build" /tmp/compare-prompts.jsonl -n "${tokens:-128}" --batch "$size" --schedule off \
+        >"$out/$label.err" 2>&1 || { tail -5 "$out/$label.err" >&2; exit 1; }
+      python3 bench/trace_rounds.py /tmp/compare-trace.csv --top 40 >"$out/$label.txt"
+      echo "### $label"
+      cat "$out/$label.txt"
+    done
+  done
+  exit
+fi
+
 head -64 data/prompts/heldout_code.jsonl >/tmp/compare-prompts.jsonl
 for round in $(seq "$rounds"); do
   for build in "$@"; do
     label="$build-$round"
-    ".device/bin/$build" bench spec --device cuda -m /tmp/wide/dspark-target-x16 -d /tmp/wide/dspark-drafter-x16 \
-      --prompts /tmp/compare-prompts.jsonl -n "$tokens" --continuous --json --batch "$batch" --schedule alg1 \
-      >"$out/$label.json" 2>"$out/$label.err"
+    spec "$build" /tmp/compare-prompts.jsonl -n "${tokens:-256}" --json --batch "$batch" --schedule alg1 \
+      >"$out/$label.json" 2>"$out/$label.err" || { tail -5 "$out/$label.err" >&2; exit 1; }
     python3 bench/spec_phases.py "$out/$label.json" "$label"
   done
 done

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Packs what a GPU machine without our Debian packages needs into .device/
-# (git-ignored; pass it to the device tool as a carried path): the dspark and
-# dspark_cuda_tests binaries built here, and the shared libraries they load
-# that a CUDA image lacks (OpenBLAS, PCRE2, utf8proc, PLplot and their
-# runtimes; the cairo driver and its libraries for PNG plots, packed), the
-# binaries and libraries xz-compressed (the device tool carries at most 64 MiB
-# with the tree); tests/tools/device_unpack.sh, run there first, restores them.
+# (git-ignored; pass it to the device tool as a carried path): the dspark,
+# dspark_cuda_tests and dspark_product_benchmark binaries built here, and the
+# shared libraries they load that a CUDA image lacks (OpenBLAS, PCRE2,
+# utf8proc, PLplot, Google Benchmark and their runtimes; the cairo driver and
+# its libraries for PNG plots, packed), the binaries and libraries
+# xz-compressed (the device tool carries at most 64 MiB with the tree);
+# tests/tools/device_unpack.sh, run there first, restores them.
 # The tree (~66 MB) and all of .device (~19 MB) exceed that together: carry
 # .device without what a call does not need (plot-runtime.tar.gz, one of the
 # binaries), and move models/dspark-drafter-gamma10 out of the checkout for
@@ -50,6 +51,11 @@ copy_libraries() {
 # PLplot and what it links (the binaries need them to start).
 copy_libraries build/dspark .device/lib
 copy_libraries build/dspark_cuda_tests .device/lib
+# The products alone (bench/product_benchmark.cpp, 0.9 MB packed), where Google Benchmark built it.
+if [ -e build/dspark_product_benchmark ]; then
+  cp build/dspark_product_benchmark .device/bin/
+  copy_libraries build/dspark_product_benchmark .device/lib
+fi
 # PNG plots: PLplot's cairo driver (loaded at run time through PLPLOT_DRV_DIR)
 # with the cairo / pango / X11 libraries it loads, PLplot's data files
 # (PLPLOT_LIB) and one font (FONTCONFIG_FILE), packed into
