@@ -42,6 +42,10 @@ if [ ! -f /tmp/wide/dspark-drafter-x16/dspark.json ]; then
   python3 bench/widen_checkpoint.py --factor 4 --target models/dspark-target --drafter models/dspark-drafter \
     --out /tmp/wide >"$out/widen.log"
 fi
+failed() {  # failed LOG: a run failed; its stderr's tail, then stop
+  tail -5 "$1" >&2
+  exit 1
+}
 spec() {  # spec BUILD PROMPTS [bench spec options]: the x16 pair, continuous batching
   local build=$1 prompts=$2
   shift 2
@@ -56,7 +60,7 @@ if ((trace)); then
       label="trace-$build-b$size"
       CUDA_INJECTION64_PATH=$tracer DSPARK_KERNEL_TRACE=/tmp/compare-trace.csv \
         spec "$build" /tmp/compare-prompts.jsonl -n "${tokens:-128}" --batch "$size" --schedule off \
-        >"$out/$label.err" 2>&1 || { tail -5 "$out/$label.err" >&2; exit 1; }
+        >"$out/$label.err" 2>&1 || failed "$out/$label.err"
       python3 bench/trace_rounds.py /tmp/compare-trace.csv --top 40 >"$out/$label.txt"
       echo "### $label"
       cat "$out/$label.txt"
@@ -70,7 +74,7 @@ for round in $(seq "$rounds"); do
   for build in "$@"; do
     label="$build-$round"
     spec "$build" /tmp/compare-prompts.jsonl -n "${tokens:-256}" --json --batch "$batch" --schedule alg1 \
-      >"$out/$label.json" 2>"$out/$label.err" || { tail -5 "$out/$label.err" >&2; exit 1; }
+      >"$out/$label.json" 2>"$out/$label.err" || failed "$out/$label.err"
     python3 bench/spec_phases.py "$out/$label.json" "$label"
   done
 done

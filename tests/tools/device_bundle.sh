@@ -22,7 +22,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 with_target=0
-[ "${1:-}" = --with-target ] && with_target=1
+case "${1:-}" in
+  '') ;;
+  --with-target) with_target=1 ;;
+  *) echo "usage: $0 [--with-target]" >&2; exit 2 ;;
+esac
 scripts/build.sh >/dev/null
 rm -rf .device && mkdir -p .device/bin .device/lib
 cp build/dspark build/dspark_cuda_tests .device/bin/
