@@ -14,6 +14,7 @@
 #include <cstring>
 #include <limits>
 #include <set>
+#include <string>
 #include <tuple>
 #include <type_traits>
 
@@ -784,29 +785,33 @@ TEST(CudaDraftOps, F32ToBf16MatchesTheHostBitForBit) {
 }
 
 TEST(CudaDraftOps, GatherTapRowsCopiesConvertsZeroesAndKeeps) {
-  const int width = 40, rows = 5;
-  const auto staged = bf16_rounded(random_values(3 * width, 106));
-  auto staged_device = to_device_bf16(staged);
-  const auto taps = random_values(2 * width, 108, 3.0f);  // f32 rows where a forward left them
-  auto taps_device = to_device(taps);
-  const auto before = bf16_rounded(random_values(rows * width, 107));
-  auto out_device = to_device_bf16(before);
-  using cuda::TapRowKind;
-  auto sources = to_device(std::vector<cuda::TapRowSource>{{staged_device.data() + 2 * width, TapRowKind::Bf16},
-                                                           {nullptr, TapRowKind::Keep},
-                                                           {nullptr, TapRowKind::Zero},
-                                                           {taps_device.data() + width, TapRowKind::F32},
-                                                           {staged_device.data(), TapRowKind::Bf16}});
-  cuda::gather_tap_rows_forward(out_device.data(), sources.data(), rows, width, nullptr);
-  std::vector<uint16_t> bits(size_t(rows) * width);
-  CUDA_CHECK(cudaMemcpy(bits.data(), out_device.data(), bits.size() * 2, cudaMemcpyDeviceToHost));
-  const auto out = from_device(out_device);
-  for (int i = 0; i < width; ++i) {
-    EXPECT_EQ(out[0 * width + i], staged[2 * width + i]);
-    EXPECT_EQ(out[1 * width + i], before[1 * width + i]);
-    EXPECT_EQ(out[2 * width + i], 0.0f);
-    EXPECT_EQ(bits[3 * width + i], f32_to_bf16(taps[width + i]));  // rounded as on the host
-    EXPECT_EQ(out[4 * width + i], staged[0 * width + i]);
+  // A narrow row, and a row of several blocks' slices (kWideRowSlice = 2048 columns) ending in a partial one.
+  for (const int width : {40, 2 * 2048 + 40}) {
+    SCOPED_TRACE("width " + std::to_string(width));
+    const int rows = 5;
+    const auto staged = bf16_rounded(random_values(3 * width, 106));
+    auto staged_device = to_device_bf16(staged);
+    const auto taps = random_values(2 * width, 108, 3.0f);  // f32 rows where a forward left them
+    auto taps_device = to_device(taps);
+    const auto before = bf16_rounded(random_values(rows * width, 107));
+    auto out_device = to_device_bf16(before);
+    using cuda::TapRowKind;
+    auto sources = to_device(std::vector<cuda::TapRowSource>{{staged_device.data() + 2 * width, TapRowKind::Bf16},
+                                                             {nullptr, TapRowKind::Keep},
+                                                             {nullptr, TapRowKind::Zero},
+                                                             {taps_device.data() + width, TapRowKind::F32},
+                                                             {staged_device.data(), TapRowKind::Bf16}});
+    cuda::gather_tap_rows_forward(out_device.data(), sources.data(), rows, width, nullptr);
+    std::vector<uint16_t> bits(size_t(rows) * width);
+    CUDA_CHECK(cudaMemcpy(bits.data(), out_device.data(), bits.size() * 2, cudaMemcpyDeviceToHost));
+    const auto out = from_device(out_device);
+    for (int i = 0; i < width; ++i) {
+      ASSERT_EQ(out[0 * width + i], staged[2 * width + i]) << "column " << i;
+      ASSERT_EQ(out[1 * width + i], before[1 * width + i]) << "column " << i;
+      ASSERT_EQ(out[2 * width + i], 0.0f) << "column " << i;
+      ASSERT_EQ(bits[3 * width + i], f32_to_bf16(taps[width + i])) << "column " << i;  // rounded as on the host
+      ASSERT_EQ(out[4 * width + i], staged[0 * width + i]) << "column " << i;
+    }
   }
 }
 

@@ -122,6 +122,13 @@ __device__ __forceinline__ bool took_last_ticket(unsigned* counter, unsigned cou
 
 inline int ceil_div(long a, long b) { return static_cast<int>((a + b - 1) / b); }
 
+// Columns of a wide row (the taps: tap layers x hidden, 30720 floats on the
+// x16 target) that one block of a row copy takes: the row gets a grid row of
+// blocks. One block a row made a chain of dependent rounds of 256 loads: 16
+// us for one such row, 41-66 us for 8-32 (H100, PERF.md stop 56's traces);
+// sliced, the x16 pair's rounds ran 28-32 us shorter at batch 1 and 4 (stop 60).
+constexpr int kWideRowSlice = 2048;
+
 // ---- programmatic dependent launch (Hopper) ----
 //
 // A kernel launched with launch_dependent() may start while the kernel before

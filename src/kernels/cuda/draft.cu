@@ -127,17 +127,19 @@ __global__ void gather_tap_rows_kernel(bf16* rows, const TapRowSource* sources, 
   start_next_kernel();
   const TapRowSource source = sources[blockIdx.x];
   bf16* destination = rows + static_cast<long>(blockIdx.x) * width;
+  const int begin = blockIdx.y * kWideRowSlice + threadIdx.x,
+            end = min(width, static_cast<int>(blockIdx.y + 1) * kWideRowSlice);
   switch (source.kind) {
     case TapRowKind::Keep:
       return;
     case TapRowKind::Zero:
-      for (int i = threadIdx.x; i < width; i += kThreads) destination[i] = __ushort_as_bfloat16(0);
+      for (int i = begin; i < end; i += kThreads) destination[i] = __ushort_as_bfloat16(0);
       return;
     case TapRowKind::Bf16:
-      for (int i = threadIdx.x; i < width; i += kThreads) destination[i] = static_cast<const bf16*>(source.row)[i];
+      for (int i = begin; i < end; i += kThreads) destination[i] = static_cast<const bf16*>(source.row)[i];
       return;
     case TapRowKind::F32:
-      for (int i = threadIdx.x; i < width; i += kThreads)
+      for (int i = begin; i < end; i += kThreads)
         destination[i] = __ushort_as_bfloat16(bf16_bits(static_cast<const float*>(source.row)[i]));
       return;
   }
@@ -163,7 +165,8 @@ void gather_f32_runs_to_bf16_forward(bf16* out, const GatherRuns& runs, int widt
 
 void gather_tap_rows_forward(bf16* rows, const TapRowSource* sources, int count, int width, cudaStream_t stream) {
   if (count == 0) return;
-  launch_dependent(gather_tap_rows_kernel, count, kThreads, 0, stream, rows, sources, width);
+  launch_dependent(gather_tap_rows_kernel, dim3(count, ceil_div(width, kWideRowSlice)), kThreads, 0, stream, rows,
+                   sources, width);
   CUDA_CHECK_LAUNCH();
 }
 
