@@ -129,6 +129,18 @@ inline int ceil_div(long a, long b) { return static_cast<int>((a + b - 1) / b); 
 // sliced, the x16 pair's rounds ran 28-32 us shorter at batch 1 and 4 (stop 60).
 constexpr int kWideRowSlice = 2048;
 
+// A row copy's grid: row r's slices are blocks (r, 0), (r, 1), ...
+inline dim3 wide_row_grid(int rows, int width) { return dim3(rows, ceil_div(width, kWideRowSlice)); }
+
+// The columns [begin, end) of the calling block's slice of a row of `width`.
+struct ColumnRange {
+  int begin, end;
+};
+__device__ __forceinline__ ColumnRange wide_row_slice(int width) {
+  const int begin = blockIdx.y * kWideRowSlice;
+  return {begin, min(width, begin + kWideRowSlice)};
+}
+
 // ---- programmatic dependent launch (Hopper) ----
 //
 // A kernel launched with launch_dependent() may start while the kernel before

@@ -127,8 +127,8 @@ __global__ void gather_tap_rows_kernel(bf16* rows, const TapRowSource* sources, 
   start_next_kernel();
   const TapRowSource source = sources[blockIdx.x];
   bf16* destination = rows + static_cast<long>(blockIdx.x) * width;
-  const int begin = blockIdx.y * kWideRowSlice + threadIdx.x,
-            end = min(width, static_cast<int>(blockIdx.y + 1) * kWideRowSlice);
+  const auto [first, end] = wide_row_slice(width);
+  const int begin = first + threadIdx.x;
   switch (source.kind) {
     case TapRowKind::Keep:
       return;
@@ -165,8 +165,7 @@ void gather_f32_runs_to_bf16_forward(bf16* out, const GatherRuns& runs, int widt
 
 void gather_tap_rows_forward(bf16* rows, const TapRowSource* sources, int count, int width, cudaStream_t stream) {
   if (count == 0) return;
-  launch_dependent(gather_tap_rows_kernel, dim3(count, ceil_div(width, kWideRowSlice)), kThreads, 0, stream, rows,
-                   sources, width);
+  launch_dependent(gather_tap_rows_kernel, wide_row_grid(count, width), kThreads, 0, stream, rows, sources, width);
   CUDA_CHECK_LAUNCH();
 }
 

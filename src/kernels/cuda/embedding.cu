@@ -29,8 +29,8 @@ __global__ void tap_ring_write_kernel(float* ring, const int32_t* placement, con
   if (count > max_rows || int(blockIdx.x) >= count) return;
   const float* source = taps + static_cast<long>(source_rows ? source_rows[blockIdx.x] : blockIdx.x) * width;
   float* destination = ring + (static_cast<long>(first) + blockIdx.x) * width;
-  const int end = min(width, static_cast<int>(blockIdx.y + 1) * kWideRowSlice);
-  for (int i = blockIdx.y * kWideRowSlice + threadIdx.x; i < end; i += blockDim.x) destination[i] = source[i];
+  const auto [begin, end] = wide_row_slice(width);
+  for (int i = begin + threadIdx.x; i < end; i += blockDim.x) destination[i] = source[i];
 }
 
 }  // namespace
@@ -50,8 +50,8 @@ void gather_rows_forward(bf16* out, const bf16* in, const int32_t* rows, int cou
 void tap_ring_write_forward(float* ring, const int32_t* placement, const int32_t* source_rows, const float* taps,
                             int max_rows, int width, cudaStream_t stream) {
   if (max_rows <= 0) return;
-  launch_dependent(tap_ring_write_kernel, dim3(max_rows, ceil_div(width, kWideRowSlice)), 256, 0, stream, ring,
-                   placement, source_rows, taps, max_rows, width);
+  launch_dependent(tap_ring_write_kernel, wide_row_grid(max_rows, width), 256, 0, stream, ring, placement, source_rows,
+                   taps, max_rows, width);
   CUDA_CHECK_LAUNCH();
 }
 
