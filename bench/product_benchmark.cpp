@@ -30,6 +30,7 @@
 #include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/random.h"
@@ -60,8 +61,11 @@ constexpr Product kProducts[] = {
     {"qwen3-8b", "down", 12288, 4096},   {"qwen3-8b", "lm_head", 4096, 151936},
 };
 
-enum class Way { CublasLt, TensorCores, TensorCoresInRowGroups };
-constexpr const char* kWayNames[] = {"cublaslt", "tensor_cores", "tensor_cores_row_groups"};
+enum class Way { CublasLt, TensorCores, TensorCoresInRowGroups, TensorCoresStreamed };
+constexpr const char* kWayNames[] = {"cublaslt", "tensor_cores", "tensor_cores_row_groups", "tensor_cores_streamed"};
+constexpr cuda::GemvKernel kWayKernels[] = {cuda::GemvKernel::None, cuda::GemvKernel::TensorCores,
+                                            cuda::GemvKernel::TensorCoresInRowGroups,
+                                            cuda::GemvKernel::TensorCoresStreamed};
 
 // Values in [-1, 1) (their size does not change the time; NaNs could).
 cuda::DeviceBuffer<bf16> random_device_bf16(size_t count, uint64_t seed) {
@@ -94,10 +98,9 @@ void run_product(benchmark::State& state, Product product, int rows, Way way) {
       cuda::cublaslt_matmul_forward(out.data(), cuda::MatmulOutput::BF16, x.data(), weight.data(), no_bias, rows,
                                     product.in, product.out, stream);
     else
-      cuda::gemv_matmul_forward(
-          out.data(), cuda::MatmulOutput::BF16, cuda::GemvEpilogue::Store,
-          way == Way::TensorCores ? cuda::GemvKernel::TensorCores : cuda::GemvKernel::TensorCoresInRowGroups, x.data(),
-          weight.data(), no_bias, rows, product.in, product.out, cuda::ResidualNorm{}, stream);
+      cuda::gemv_matmul_forward(out.data(), cuda::MatmulOutput::BF16, cuda::GemvEpilogue::Store, kWayKernels[int(way)],
+                                x.data(), weight.data(), no_bias, rows, product.in, product.out, cuda::ResidualNorm{},
+                                stream);
   };
   try {
     launch();  // warm-up; the GEMV checks here whether it can run the shape
@@ -133,14 +136,33 @@ void run_product(benchmark::State& state, Product product, int rows, Way way) {
 void register_products() {
   for (const Product& product : kProducts)
     for (int rows : kRowCounts)
-      for (Way way : {Way::CublasLt, Way::TensorCores, Way::TensorCoresInRowGroups}) {
+      for (Way way : {Way::CublasLt, Way::TensorCores, Way::TensorCoresInRowGroups, Way::TensorCoresStreamed}) {
         if (way == Way::TensorCoresInRowGroups && rows <= 16) continue;  // one group: the plain kernel
+        if (way == Way::TensorCoresStreamed && rows <= 16) continue;
         const std::string name = std::string(product.model) + "/" + product.name + "/rows:" + std::to_string(rows) +
                                  "/" + kWayNames[int(way)];
         benchmark::RegisterBenchmark(name.c_str(), run_product, product, rows, way)
             ->UseManualTime()
             ->Unit(benchmark::kMicrosecond);
       }
+}
+
+// The TMA's copies alone (the streamed GEMV's): 256 rows of 6144 columns an
+// SM (the x16 gate|up's K), in boxes of 8 to 256 rows of 128 bytes and of 8
+// and 64 rows of 512 bytes: whether their rate follows the copies' count or
+// their 128-byte lines.
+void register_tma_reads() {
+  for (const auto& [box_rows, box_columns] : {std::pair{8, 64}, {64, 64}, {256, 64}, {8, 256}, {64, 256}}) {
+    const std::string name = "tma_read/box:" + std::to_string(box_rows) + "x" + std::to_string(box_columns);
+    benchmark::RegisterBenchmark(name.c_str(), [box_rows, box_columns](benchmark::State& state) {
+      double gigabytes_per_second = 0.0;
+      for (auto _ : state)
+        gigabytes_per_second =
+            cuda::measure_tma_read_bandwidth(256 * cuda::multiprocessor_count(), 6144, box_rows, box_columns);
+      state.counters["GBps"] = gigabytes_per_second;
+      state.counters["of_read"] = gigabytes_per_second / read_bandwidth();
+    })->Iterations(1);
+  }
 }
 
 }  // namespace
@@ -152,6 +174,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   register_products();
+  register_tma_reads();
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

@@ -206,94 +206,111 @@ TEST(CudaOps, GemvKernelsMatchCpuAndTheirFusedEpiloguesEqualTheUnfusedKernels) {
   // exactly the one-feature bits (the same summation order); on the tensor
   // cores, whole or in row groups of 16, every row has exactly the bits of the
   // same row multiplied alone (the target's decode and verify steps rely on
-  // it); a fused epilogue gives exactly the bits of the kernel's plain product
-  // followed by the activation or norm kernel. in = 288: a multiple of 32 but not of the tensor cores'
-  // chunk of 64. 48 features per SM: products of 1.5 to 3 waves of two
-  // blocks per SM, which the tensor cores run three per SM from 1 to 8 rows
-  // (FEW_WAVES), so those rows are also held to the 9-64-row products' rows.
+  // it); streamed (17-32 rows), every output has the tensor cores' bits, so
+  // each row too; a fused epilogue gives exactly the bits of the kernel's
+  // plain product followed by the activation or norm kernel. in = 288: a
+  // multiple of 32 but not of the tensor cores' chunk of 64 (the streamed
+  // kernel's last K box zero-filled past K); in = 448: 7 K boxes of 64, which
+  // the streamed kernel copies 7 at a time where a block owns one group of 16
+  // rows and 3 at a time where it owns 3 (48 features per SM: its last copy
+  // holds 2 boxes past K). 48 features per SM: products of 1.5 to 3 waves of
+  // two blocks per SM, which the tensor cores run three per SM from 1 to 8
+  // rows (FEW_WAVES), so those rows are also held to the 9-64-row products'
+  // rows.
   using cuda::GemvKernel;
-  const int in = 288;
   const int multiprocessors = cuda::multiprocessor_count();
-  for (int rows : {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64}) {
-    for (int out_features : {1004, 24, 48 * multiprocessors}) {
-      const auto x = bf16_rounded(random_values(rows * in, 110 + rows, 2.0f));
-      const auto weight = bf16_rounded(random_values(2 * out_features * in, 111));
-      const auto bias = bf16_rounded(random_values(2 * out_features, 112));
-      auto x_device = to_device_bf16(x), weight_device = to_device_bf16(weight), bias_device = to_device_bf16(bias);
-      std::vector<float> expected(size_t(rows) * 2 * out_features);
-      cpu::matmul_forward(expected.data(), x.data(), weight.data(), bias.data(), rows, in, 2 * out_features);
-      const auto initial = random_values(rows * out_features, 113, 4.0f), norm_weight = random_values(out_features, 114);
-      std::vector<float> one_feature;
-      for (GemvKernel kernel : {GemvKernel::OneFeaturePerWarp, GemvKernel::FourFeaturesPerWarp, GemvKernel::TensorCores,
-                                GemvKernel::TensorCoresInRowGroups}) {
-        if (kernel != GemvKernel::TensorCores && kernel != GemvKernel::TensorCoresInRowGroups && rows > 8) continue;
-        if (kernel == GemvKernel::TensorCoresInRowGroups && rows <= 16) continue;
-        const std::string what =
-            std::to_string(rows) + " x " + std::to_string(out_features) + ", kernel " + std::to_string(int(kernel));
-        auto gemv = [&](void* out, cuda::MatmulOutput type, cuda::GemvEpilogue epilogue, int width,
-                        const cuda::ResidualNorm& norm) {
-          cuda::gemv_matmul_forward(out, type, epilogue, kernel, x_device.data(), weight_device.data(),
-                                    bias_device.data(), rows, in, width, norm, nullptr);
-        };
-        // Store, over the whole gate|up weight.
-        DeviceBuffer<float> stored(size_t(rows) * 2 * out_features);
-        gemv(stored.data(), cuda::MatmulOutput::F32, cuda::GemvEpilogue::Store, 2 * out_features, {});
-        const auto values = from_device(stored);
-        EXPECT_LE(relative_error(values.data(), expected.data(), expected.size()), 1e-5) << what;
-        if (kernel == GemvKernel::OneFeaturePerWarp) one_feature = values;
-        if (kernel == GemvKernel::FourFeaturesPerWarp) {
-          EXPECT_EQ(values, one_feature) << what;
-        }
-        if (kernel == GemvKernel::TensorCores || kernel == GemvKernel::TensorCoresInRowGroups) {
-          DeviceBuffer<float> row_alone(2 * out_features);
-          for (int r = 0; r < rows; ++r) {
-            cuda::gemv_matmul_forward(row_alone.data(), cuda::MatmulOutput::F32, cuda::GemvEpilogue::Store,
-                                      GemvKernel::TensorCores, x_device.data() + r * in, weight_device.data(),
-                                      bias_device.data(), 1, in, 2 * out_features, {}, nullptr);
-            EXPECT_TRUE(std::equal(values.begin() + size_t(r) * 2 * out_features,
-                                   values.begin() + size_t(r + 1) * 2 * out_features, from_device(row_alone).begin()))
-                << what << ", row " << r << " differs from the row alone";
+  for (int in : {288, 448})
+    for (int rows : {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64}) {
+      for (int out_features : {1004, 24, 48 * multiprocessors}) {
+        const auto x = bf16_rounded(random_values(rows * in, 110 + rows, 2.0f));
+        const auto weight = bf16_rounded(random_values(2 * out_features * in, 111));
+        const auto bias = bf16_rounded(random_values(2 * out_features, 112));
+        auto x_device = to_device_bf16(x), weight_device = to_device_bf16(weight), bias_device = to_device_bf16(bias);
+        std::vector<float> expected(size_t(rows) * 2 * out_features);
+        cpu::matmul_forward(expected.data(), x.data(), weight.data(), bias.data(), rows, in, 2 * out_features);
+        const auto initial = random_values(rows * out_features, 113, 4.0f),
+                   norm_weight = random_values(out_features, 114);
+        std::vector<float> one_feature, tensor_cores;
+        for (GemvKernel kernel :
+             {GemvKernel::OneFeaturePerWarp, GemvKernel::FourFeaturesPerWarp, GemvKernel::TensorCores,
+              GemvKernel::TensorCoresInRowGroups, GemvKernel::TensorCoresStreamed}) {
+          const bool few_row_kernel =
+              kernel == GemvKernel::OneFeaturePerWarp || kernel == GemvKernel::FourFeaturesPerWarp;
+          if (few_row_kernel && rows > 8) continue;
+          if ((kernel == GemvKernel::TensorCoresInRowGroups || kernel == GemvKernel::TensorCoresStreamed) && rows <= 16)
+            continue;
+          if (kernel == GemvKernel::TensorCoresStreamed && rows > 32) continue;
+          const std::string what = std::to_string(rows) + " x " + std::to_string(in) + " -> " +
+                                   std::to_string(out_features) + ", kernel " + std::to_string(int(kernel));
+          auto gemv = [&](void* out, cuda::MatmulOutput type, cuda::GemvEpilogue epilogue, int width,
+                          const cuda::ResidualNorm& norm) {
+            cuda::gemv_matmul_forward(out, type, epilogue, kernel, x_device.data(), weight_device.data(),
+                                      bias_device.data(), rows, in, width, norm, nullptr);
+          };
+          // Store, over the whole gate|up weight.
+          DeviceBuffer<float> stored(size_t(rows) * 2 * out_features);
+          gemv(stored.data(), cuda::MatmulOutput::F32, cuda::GemvEpilogue::Store, 2 * out_features, {});
+          const auto values = from_device(stored);
+          EXPECT_LE(relative_error(values.data(), expected.data(), expected.size()), 1e-5) << what;
+          if (kernel == GemvKernel::OneFeaturePerWarp) one_feature = values;
+          if (kernel == GemvKernel::FourFeaturesPerWarp) {
+            EXPECT_EQ(values, one_feature) << what;
           }
-        }
-        DeviceBuffer<bf16> gate_up(size_t(rows) * 2 * out_features);
-        gemv(gate_up.data(), cuda::MatmulOutput::BF16, cuda::GemvEpilogue::Store, 2 * out_features, {});
+          if (kernel == GemvKernel::TensorCores || kernel == GemvKernel::TensorCoresInRowGroups) {
+            DeviceBuffer<float> row_alone(2 * out_features);
+            for (int r = 0; r < rows; ++r) {
+              cuda::gemv_matmul_forward(row_alone.data(), cuda::MatmulOutput::F32, cuda::GemvEpilogue::Store,
+                                        GemvKernel::TensorCores, x_device.data() + r * in, weight_device.data(),
+                                        bias_device.data(), 1, in, 2 * out_features, {}, nullptr);
+              EXPECT_TRUE(std::equal(values.begin() + size_t(r) * 2 * out_features,
+                                     values.begin() + size_t(r + 1) * 2 * out_features, from_device(row_alone).begin()))
+                  << what << ", row " << r << " differs from the row alone";
+            }
+          }
+          if (kernel == GemvKernel::TensorCores) tensor_cores = values;
+          if (kernel == GemvKernel::TensorCoresStreamed) {  // the tensor cores' bits, so each row's alone
+            EXPECT_EQ(values, tensor_cores) << what;
+          }
+          DeviceBuffer<bf16> gate_up(size_t(rows) * 2 * out_features);
+          gemv(gate_up.data(), cuda::MatmulOutput::BF16, cuda::GemvEpilogue::Store, 2 * out_features, {});
 
-        // Gated: this kernel's gate|up, then the activation kernel.
-        for (auto epilogue : {cuda::GemvEpilogue::Silu, cuda::GemvEpilogue::GeluTanh}) {
-          DeviceBuffer<bf16> unfused(size_t(rows) * out_features), fused(size_t(rows) * out_features);
-          if (epilogue == cuda::GemvEpilogue::Silu)
-            cuda::swiglu_forward(unfused.data(), gate_up.data(), rows, out_features, nullptr);
-          else
-            cuda::gelu_tanh_gate_forward(unfused.data(), gate_up.data(), rows, out_features, nullptr);
-          gemv(fused.data(), cuda::MatmulOutput::BF16, epilogue, out_features, {});
-          EXPECT_EQ(from_device(fused), from_device(unfused)) << what << ", epilogue " << int(epilogue);
-        }
+          // Gated: this kernel's gate|up, then the activation kernel.
+          for (auto epilogue : {cuda::GemvEpilogue::Silu, cuda::GemvEpilogue::GeluTanh}) {
+            DeviceBuffer<bf16> unfused(size_t(rows) * out_features), fused(size_t(rows) * out_features);
+            if (epilogue == cuda::GemvEpilogue::Silu)
+              cuda::swiglu_forward(unfused.data(), gate_up.data(), rows, out_features, nullptr);
+            else
+              cuda::gelu_tanh_gate_forward(unfused.data(), gate_up.data(), rows, out_features, nullptr);
+            gemv(fused.data(), cuda::MatmulOutput::BF16, epilogue, out_features, {});
+            EXPECT_EQ(from_device(fused), from_device(unfused)) << what << ", epilogue " << int(epilogue);
+          }
 
-        // ResidualNorm: this kernel's product over the first out_features rows, then the norm kernel.
-        ResidualNormOperands separate(initial, norm_weight, rows, out_features), fused(initial, norm_weight, rows,
-                                                                                       out_features);
-        DeviceBuffer<bf16> delta(size_t(rows) * out_features), fused_delta(size_t(rows) * out_features);
-        gemv(delta.data(), cuda::MatmulOutput::BF16, cuda::GemvEpilogue::Store, out_features, {});
-        const cuda::ResidualNorm unfused = separate.operands(out_features);
-        cuda::residual_add_rmsnorm_forward(unfused.residual, delta.data(), unfused.normed, unfused.weight, rows,
-                                           out_features, unfused.eps, unfused.residual_tap, unfused.normed_tap,
-                                           unfused.tap_stride, nullptr);
-        gemv(fused_delta.data(), cuda::MatmulOutput::BF16, cuda::GemvEpilogue::ResidualNorm, out_features,
-             fused.operands(out_features));
-        EXPECT_EQ(from_device(fused_delta), from_device(delta)) << what;
-        EXPECT_EQ(from_device(fused.residual), from_device(separate.residual)) << what;
-        EXPECT_EQ(from_device(fused.normed), from_device(separate.normed)) << what;
-        const auto fused_taps = from_device(fused.taps), separate_taps = from_device(separate.taps);
-        const auto [fused_at, separate_at] = std::mismatch(fused_taps.begin(), fused_taps.end(), separate_taps.begin());
-        const long at = fused_at - fused_taps.begin();
-        EXPECT_EQ(fused_at, fused_taps.end())
-            << what << ": the taps differ first in row " << at / (2 * out_features)
-            << (at % (2 * out_features) < out_features ? ", residual" : ", normed") << " element " << at % out_features
-            << ": " << *fused_at << " against " << *separate_at;
-        EXPECT_EQ(from_device(fused.counter)[0], 0u) << what;
+          // ResidualNorm: this kernel's product over the first out_features rows, then the norm kernel.
+          ResidualNormOperands separate(initial, norm_weight, rows, out_features),
+              fused(initial, norm_weight, rows, out_features);
+          DeviceBuffer<bf16> delta(size_t(rows) * out_features), fused_delta(size_t(rows) * out_features);
+          gemv(delta.data(), cuda::MatmulOutput::BF16, cuda::GemvEpilogue::Store, out_features, {});
+          const cuda::ResidualNorm unfused = separate.operands(out_features);
+          cuda::residual_add_rmsnorm_forward(unfused.residual, delta.data(), unfused.normed, unfused.weight, rows,
+                                             out_features, unfused.eps, unfused.residual_tap, unfused.normed_tap,
+                                             unfused.tap_stride, nullptr);
+          gemv(fused_delta.data(), cuda::MatmulOutput::BF16, cuda::GemvEpilogue::ResidualNorm, out_features,
+               fused.operands(out_features));
+          EXPECT_EQ(from_device(fused_delta), from_device(delta)) << what;
+          EXPECT_EQ(from_device(fused.residual), from_device(separate.residual)) << what;
+          EXPECT_EQ(from_device(fused.normed), from_device(separate.normed)) << what;
+          const auto fused_taps = from_device(fused.taps), separate_taps = from_device(separate.taps);
+          const auto [fused_at, separate_at] =
+              std::mismatch(fused_taps.begin(), fused_taps.end(), separate_taps.begin());
+          const long at = fused_at - fused_taps.begin();
+          EXPECT_EQ(fused_at, fused_taps.end())
+              << what << ": the taps differ first in row " << at / (2 * out_features)
+              << (at % (2 * out_features) < out_features ? ", residual" : ", normed") << " element "
+              << at % out_features << ": " << *fused_at << " against " << *separate_at;
+          EXPECT_EQ(from_device(fused.counter)[0], 0u) << what;
+        }
       }
     }
-  }
 }
 
 TEST(CudaOps, QkvNormRopeAndCacheAppendMatchCpu) {

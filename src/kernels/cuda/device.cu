@@ -101,28 +101,6 @@ cudaGraphExec_t capture_graph(cudaStream_t stream, const std::function<void()>& 
 
 namespace {
 
-// Median milliseconds of `work` on the default stream over 10 runs, after 2 that warm up.
-template <class Work>
-double median_milliseconds(Work work) {
-  cudaEvent_t start, stop;
-  CUDA_CHECK(cudaEventCreate(&start));
-  CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<float> milliseconds;
-  for (int run = 0; run < 12; ++run) {
-    CUDA_CHECK(cudaEventRecord(start));
-    work();
-    CUDA_CHECK(cudaEventRecord(stop));
-    CUDA_CHECK(cudaEventSynchronize(stop));
-    float elapsed = 0.0f;
-    CUDA_CHECK(cudaEventElapsedTime(&elapsed, start, stop));
-    if (run >= 2) milliseconds.push_back(elapsed);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(milliseconds.begin(), milliseconds.end());
-  return milliseconds[milliseconds.size() / 2];
-}
-
 // Reads `count` 16-byte vectors once (streaming loads, as the GEMVs read
 // weights), four in flight per thread; `sink` is written only if the data's
 // XOR is a value memset data never has, so the loads are not dropped.
@@ -145,6 +123,26 @@ __global__ void read_kernel(const uint4* data, size_t count, unsigned* sink) {
 }
 
 }  // namespace
+
+double median_milliseconds(const std::function<void()>& work) {
+  cudaEvent_t start, stop;
+  CUDA_CHECK(cudaEventCreate(&start));
+  CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<float> milliseconds;
+  for (int run = 0; run < 12; ++run) {
+    CUDA_CHECK(cudaEventRecord(start));
+    work();
+    CUDA_CHECK(cudaEventRecord(stop));
+    CUDA_CHECK(cudaEventSynchronize(stop));
+    float elapsed = 0.0f;
+    CUDA_CHECK(cudaEventElapsedTime(&elapsed, start, stop));
+    if (run >= 2) milliseconds.push_back(elapsed);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(milliseconds.begin(), milliseconds.end());
+  return milliseconds[milliseconds.size() / 2];
+}
 
 double measure_copy_bandwidth(size_t bytes) {
   void *source = nullptr, *destination = nullptr;

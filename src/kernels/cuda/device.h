@@ -23,6 +23,10 @@ int max_shared_bytes();
 
 namespace dspark::cuda {
 
+// Median milliseconds of `work` on the default stream over 10 runs, after 2
+// that warm up (the measurements below time their kernels with it).
+double median_milliseconds(const std::function<void()>& work);
+
 // Device-to-device copy bandwidth in GB/s (1e9 bytes), counting bytes read
 // plus bytes written, median of several copies of `bytes` after a warm-up:
 // the ceiling a memory-bound kernel can be compared against.

@@ -1,4 +1,6 @@
 #include <cublasLt.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -23,6 +25,7 @@
 #include "kernels/cuda/rmsnorm.cuh"
 #include "kernels/cuda/rmsnorm.h"
 #include "kernels/cuda/tensor_gemv.cuh"
+#include "kernels/cuda/tma.cuh"
 
 namespace dspark::cuda {
 namespace {
@@ -264,6 +267,38 @@ int choice_rows(int rows) {
   return rows_class;
 }
 
+// Stores activation row `row`'s sums of a 16-row weight group's fragment rows
+// g (low_sum) and g + 8 (high_sum), bias added: gated, feature `low`'s gate
+// and up sums, activated (each rounded to bf16 first, as the unfused path's
+// gate|up buffer is); else features `low` and `high`. Features past
+// out_features are not stored.
+template <Epilogue EPILOGUE>
+__device__ __forceinline__ void store_group_sums(void* out, bool out_f32, const bf16* bias, int row, int out_features,
+                                                 int low, int high, float low_sum, float high_sum) {
+  if constexpr (EPILOGUE == Epilogue::Silu || EPILOGUE == Epilogue::GeluTanh) {
+    if (low >= out_features) return;
+    if (bias) {
+      low_sum += __bfloat162float(bias[low]);
+      high_sum += __bfloat162float(bias[out_features + low]);
+    }
+    const float gate = __bfloat162float(__float2bfloat16(low_sum));
+    const float up = __bfloat162float(__float2bfloat16(high_sum));
+    static_cast<bf16*>(out)[static_cast<long>(row) * out_features + low] = __float2bfloat16(gated<EPILOGUE>(gate, up));
+  } else {
+    auto store = [&](int feature, float total) {
+      if (feature >= out_features) return;
+      if (bias) total += __bfloat162float(bias[feature]);
+      const long index = static_cast<long>(row) * out_features + feature;
+      if (out_f32)
+        static_cast<float*>(out)[index] = total;
+      else
+        static_cast<bf16*>(out)[index] = __float2bfloat16(total);
+    };
+    store(low, low_sum);
+    store(high, high_sum);
+  }
+}
+
 template <int TILES, Epilogue EPILOGUE, bool FEW_WAVES = false>
 __global__ void __launch_bounds__(kMmaWarps * 32, FEW_WAVES ? kMmaFewWavesMinBlocks : kMmaMinBlocks<TILES>)
     tensor_gemv_kernel(void* all_out, bool out_f32, const bf16* all_x, const bf16* weight, const bf16* bias,
@@ -333,29 +368,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, FEW_WAVES ? kMmaFewWavesMinBlo
     float low_sum = 0.0f, high_sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < kMmaWarps; ++w) low_sum += partial[w][t][j][lane], high_sum += partial[w][t][2 + j][lane];
-    if constexpr (kGated) {
-      if (!low_valid) continue;
-      if (bias) {
-        low_sum += __bfloat162float(bias[low]);
-        high_sum += __bfloat162float(bias[out_features + low]);
-      }
-      // rounded to bf16 as the gate|up buffer of the unfused path is
-      const float gate = __bfloat162float(__float2bfloat16(low_sum));
-      const float up = __bfloat162float(__float2bfloat16(high_sum));
-      static_cast<bf16*>(out)[static_cast<long>(row) * out_features + low] =
-          __float2bfloat16(gated<EPILOGUE>(gate, up));
-    } else {
-      auto store = [&](int feature, float total) {
-        if (bias) total += __bfloat162float(bias[feature]);
-        const long index = static_cast<long>(row) * out_features + feature;
-        if (out_f32)
-          static_cast<float*>(out)[index] = total;
-        else
-          static_cast<bf16*>(out)[index] = __float2bfloat16(total);
-      };
-      if (low_valid) store(low, low_sum);
-      if (high_valid) store(high, high_sum);
-    }
+    store_group_sums<EPILOGUE>(out, out_f32, bias, row, out_features, low, high, low_sum, high_sum);
   }
   if constexpr (EPILOGUE == Epilogue::ResidualNorm)
     finish_residual_norm(norm, static_cast<const bf16*>(all_out), all_rows, out_features, residual_norm_vectors);
@@ -390,12 +403,355 @@ void tensor_gemv_forward(void* out, MatmulOutput out_type, const bf16* x, const 
   CUDA_CHECK_LAUNCH();
 }
 
-// The GEMV kernels that can run a shape (DSPARK_GEMV=0: none, cuBLASLt only).
-std::vector<GemvKernel> gemv_kernels(int rows, int in) {
-  static const bool enabled = [] {
-    const char* setting = std::getenv("DSPARK_GEMV");
-    return !setting || std::string(setting) != "0";
+// ---- the streamed GEMV: 17-32 rows, one block an SM ----
+//
+// At 17-32 rows the products above stream the weights at 78-92% of the read
+// roofline (PERF.md, stops 50-60), and cuBLASLt's, the fastest of them on
+// most shapes, round differently from the tensor-core GEMV that decodes one
+// to sixteen rows, so that a batch's verify drifts from plain decoding
+// through bf16 near-ties. Here each block owns a contiguous run of at most
+// kStreamMostGroups of the product's 16-row weight groups (gated: 8 features'
+// gate rows and their up rows), the runs as even as whole groups allow, so
+// that every SM streams the same bytes. The TMA copies each K chunk of the
+// block's weight rows (one copy; gated two: its gate rows and its up rows)
+// and of the activations (one copy of kStreamTiles * 8 rows) into a ring of
+// slots in shared memory, without registers, several slots ahead of the
+// warps. A chunk is an odd number of K boxes of 64 columns, as many as make a
+// weight copy >= kStreamCopyBytes: the TMA's rate follows the bytes a copy
+// carries (one block an SM on the H100: 1 KB copies 17% of the read roofline,
+// 8 KB 80%, 32 KB 96%; PERF.md stop 60). The warps split K as the tensor-core
+// GEMV's do, warp w taking the K boxes at w * 64 + i * 512 for all the
+// block's groups, each box's pieces in that kernel's order, and their sums
+// meet as that kernel's do: every output has the bits the tensor-core GEMV
+// gives it, whatever the row count (the GEMV test). The ring's refills are
+// issued by one thread of the last warp once every warp has released the slot.
+constexpr int kStreamWarps = kMmaWarps;
+constexpr int kStreamProducer = (kStreamWarps - 1) * 32;
+constexpr int kStreamMaxStages = 8;
+constexpr int kStreamTiles = 4;               // activation rows: 17-32
+constexpr int kStreamMostGroups = 8;          // a block's groups: their sums' registers, kStreamTiles * 4 each
+constexpr int kStreamBoxColumns = kMmaChunk;  // a box row: 128 bytes, the swizzle's span; one warp's chunk
+constexpr int kStreamRowBytes = kStreamBoxColumns * 2;
+constexpr int kStreamCopyBytes = 12 * 1024;  // at least this many bytes a weight copy where K and the ring allow
+constexpr int kStreamMinStages = 3;
+static_assert(kStreamWarps * 32 == kResidualNormThreads, "the last block runs the norm's row code");
+
+// The ring's budget: 200 KB, or less where a block may opt in to less (227 KB
+// on the H100 and H200), leaving room for the 1 KB alignment and the static
+// barriers.
+int streamed_shared_bytes() {
+  static const int bytes = std::min(200 * 1024, max_shared_bytes() - 2048);
+  return bytes;
+}
+
+struct StreamedShape {
+  int groups = 0;       // 16-row weight groups (gated: 8 features' gate and up rows) in all
+  int most_groups = 0;  // the most a block owns (the others own one fewer): the slot's layout
+  int chunk_boxes = 0;  // K boxes of kStreamBoxColumns a chunk, a copy: odd (the banks), 1 where in % 64 != 0
+  int chunks = 0;       // K chunks: ceil(in / (chunk_boxes * kStreamBoxColumns))
+  int stages = 0;       // slots in the ring
+  int in = 0;
+  // A slot holds lines of 128 bytes (64 columns): the block's weight rows,
+  // 16 * most_groups (its groups' rows in order; gated, its gate rows then its
+  // up rows), each row's chunk_boxes K boxes in a row (row r, K box b: line
+  // r * chunk_boxes + b, as the copies lay out their boxes); then the
+  // activations' kStreamTiles * 8 rows the same way. A lane reads 16 bytes of
+  // rows g and g + 8: with an odd chunk_boxes, rows g and g + 1 (a quarter
+  // warp's) sit on lines of different parity, whose swizzles put their pieces
+  // in different banks.
+  __host__ __device__ int slot_weight_bytes() const { return chunk_boxes * 16 * most_groups * kStreamRowBytes; }
+  __host__ __device__ int slot_bytes() const {
+    return slot_weight_bytes() + chunk_boxes * kStreamTiles * 8 * kStreamRowBytes;
+  }
+};
+
+// The warps' sums of GROUPS groups, [warp][group][tile][4][lane], meet in the
+// ring's memory once it is drained.
+template <int GROUPS>
+constexpr int kStreamPartialBytes = kStreamWarps* GROUPS* kStreamTiles * 4 * 32 * sizeof(float);
+
+template <int GROUPS, Epilogue EPILOGUE>
+__global__ void __launch_bounds__(kStreamWarps * 32, 1)
+    streamed_gemv_kernel(const __grid_constant__ CUtensorMap most_map, const __grid_constant__ CUtensorMap fewer_map,
+                         const __grid_constant__ CUtensorMap x_map, void* out, bool out_f32, const bf16* bias, int rows,
+                         int out_features, StreamedShape shape, ResidualNorm norm, int residual_norm_vectors) {
+  constexpr bool kGated = EPILOGUE == Epilogue::Silu || EPILOGUE == Epilogue::GeluTanh;
+  constexpr int TILES = kStreamTiles;
+  constexpr int kTileBytes = TILES * 8 * kStreamRowBytes;  // an activation box
+  constexpr int kCopies = kGated ? 2 : 1;                  // weight copies a chunk
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int first_group = static_cast<int>(long(blockIdx.x) * shape.groups / gridDim.x);
+  const int groups = static_cast<int>(long(blockIdx.x + 1) * shape.groups / gridDim.x) - first_group;
+  extern __shared__ uint8_t dynamic_shared[];
+  uint8_t* const ring = dynamic_shared + ((1024 - shared_address(dynamic_shared) % 1024) % 1024);
+  __shared__ uint64_t full[kStreamMaxStages], empty[kStreamMaxStages];
+  const int slot_bytes = shape.slot_bytes(), weight_bytes = shape.slot_weight_bytes();
+
+  // The block's weight rows: one copy of its 16 * groups rows, or gated two of
+  // 8 * groups, its gate rows (h = 0) and its up rows (weight maps of
+  // most_groups and of one fewer). Rows past the weight's arrive as zeros.
+  const CUtensorMap* weight_map = groups == shape.most_groups ? &most_map : &fewer_map;
+  const int copy_bytes = (kGated ? 8 : 16) * groups * shape.chunk_boxes * kStreamRowBytes;
+  auto copy_row = [&](int h) { return kGated ? h * out_features + first_group * 8 : first_group * 16; };
+  // Group j's fragment rows g (low) and g + 8 (high) among the slot's weight
+  // rows: gated, its features' gate and up rows; else its 16 rows in order.
+  auto group_row = [&](int j, int high) { return kGated ? high * groups * 8 + j * 8 : j * 16 + high * 8; };
+  auto boxes_in = [&](int chunk) {  // the K boxes of a chunk that hold columns of K (the last may hold fewer)
+    const int columns = shape.in - chunk * shape.chunk_boxes * kStreamBoxColumns;
+    return min(shape.chunk_boxes, (columns + kStreamBoxColumns - 1) / kStreamBoxColumns);
+  };
+  // Where in is a multiple of 64 the maps' middle dimension counts K boxes
+  // (a copy takes chunk_boxes of them); else it is 1 and the innermost spans
+  // K (a copy takes one K box, its columns past K zero-filled).
+  const bool boxes_dimension = shape.in % kStreamBoxColumns == 0;
+  auto load = [&](uint8_t* destination, const CUtensorMap* map, int row, int chunk) {
+    const int box = chunk * shape.chunk_boxes;
+    tma_load_box(destination, map, boxes_dimension ? 0 : box * kStreamBoxColumns, boxes_dimension ? box : 0, row,
+                 &full[chunk % shape.stages]);
+  };
+  auto slot_of = [&](int chunk) { return ring + (chunk % shape.stages) * slot_bytes; };
+  // Every copy's bytes count in full, its zero-filled K boxes past K included.
+  auto load_weights = [&](int chunk) {
+    barrier_arrive_expecting(&full[chunk % shape.stages], kCopies * copy_bytes + kTileBytes * shape.chunk_boxes);
+    for (int h = 0; h < kCopies; ++h) load(slot_of(chunk) + h * copy_bytes, weight_map, copy_row(h), chunk);
+  };
+  auto load_activations = [&](int chunk) { load(slot_of(chunk) + weight_bytes, &x_map, 0, chunk); };
+
+  if (threadIdx.x == kStreamProducer) {
+    for (int s = 0; s < shape.stages; ++s) barrier_init(&full[s], 1), barrier_init(&empty[s], kStreamWarps);
+    barrier_init_fence();
+  }
+  __syncthreads();
+  // The weights are never written: the first slots' weights stream in while
+  // the previous kernel finishes; the activations only after its writes.
+  const int preloaded = min(shape.stages, shape.chunks);
+  if (threadIdx.x == kStreamProducer)
+    for (int chunk = 0; chunk < preloaded; ++chunk) load_weights(chunk);
+  wait_for_previous_kernel();
+  start_next_kernel();
+  if (threadIdx.x == kStreamProducer)
+    for (int chunk = 0; chunk < preloaded; ++chunk) load_activations(chunk);
+
+  // Lane (g, c) reads pieces 2c and 2c + 1 (16 bytes each) of a box's rows, as
+  // tensor_gemv_load and tensor_gemv_multiply read a chunk's.
+  float sums[GROUPS][TILES][4] = {};
+  for (int chunk = 0; chunk < shape.chunks; ++chunk) {
+    const int stage = chunk % shape.stages;
+    const uint32_t parity = (chunk / shape.stages) & 1;
+    barrier_wait(&full[stage], parity);
+    const uint32_t weights = shared_address(slot_of(chunk)), activations = weights + weight_bytes;
+    const int lines = shape.chunk_boxes, boxes = boxes_in(chunk);
+    // This warp's K boxes of the chunk: those at k = warp * 64 + i * 512, in increasing k.
+    for (int b = (warp - chunk * lines % kStreamWarps + kStreamWarps) % kStreamWarps; b < boxes; b += kStreamWarps) {
+      uint4 x_pieces[TILES][kMmaPieces];
+#pragma unroll
+      for (int t = 0; t < TILES; ++t)
+#pragma unroll
+        for (int piece = 0; piece < kMmaPieces; ++piece)
+          x_pieces[t][piece] = load_shared_16(activations + swizzled_offset((t * 8 + g) * lines + b, 2 * c + piece));
+#pragma unroll
+      for (int j = 0; j < GROUPS; ++j) {
+        if (j >= groups) break;
+        uint4 a_low[kMmaPieces], a_high[kMmaPieces];
+#pragma unroll
+        for (int piece = 0; piece < kMmaPieces; ++piece) {
+          a_low[piece] = load_shared_16(weights + swizzled_offset((group_row(j, 0) + g) * lines + b, 2 * c + piece));
+          a_high[piece] = load_shared_16(weights + swizzled_offset((group_row(j, 1) + g) * lines + b, 2 * c + piece));
+        }
+#pragma unroll
+        for (int t = 0; t < TILES; ++t)
+#pragma unroll
+          for (int piece = 0; piece < kMmaPieces; ++piece)
+            tensor_gemv_multiply_piece(sums[j][t], a_low[piece], a_high[piece], x_pieces[t][piece]);
+      }
+    }
+    __syncwarp();
+    if (lane == 0) barrier_arrive(&empty[stage]);
+    if (threadIdx.x == kStreamProducer && chunk + shape.stages < shape.chunks) {
+      barrier_wait(&empty[stage], parity);  // every warp is done with the slot
+      load_weights(chunk + shape.stages);
+      load_activations(chunk + shape.stages);
+    }
+    __syncwarp();
+  }
+
+  // The warps' sums meet in warp order from 0.0f, as the tensor-core GEMV's
+  // do, in the drained ring (every copy issued has landed: each was waited on).
+  __syncthreads();
+  float* const partial = reinterpret_cast<float*>(ring);
+  auto partial_of = [&](int w, int j, int t, int i) { return partial + (((w * GROUPS + j) * TILES + t) * 4 + i) * 32; };
+#pragma unroll
+  for (int j = 0; j < GROUPS; ++j) {
+    if (j >= groups) break;
+#pragma unroll
+    for (int t = 0; t < TILES; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) partial_of(warp, j, t, i)[lane] = sums[j][t][i];
+  }
+  __syncthreads();
+  // Lane (g, c) holds fragment rows g (i = 0, 1) and g + 8 (i = 2, 3) of each
+  // group for activation rows t * 8 + 2c and + 1: the (group, tile, column)
+  // triples are dealt out one per warp.
+  for (int item = warp; item < groups * TILES * 2; item += kStreamWarps) {
+    const int j = item / (TILES * 2), t = item / 2 % TILES, column = item % 2;
+    const int row = t * 8 + 2 * c + column;
+    if (row >= rows) continue;
+    float low_sum = 0.0f, high_sum = 0.0f;
+    for (int w = 0; w < kStreamWarps; ++w)
+      low_sum += partial_of(w, j, t, column)[lane], high_sum += partial_of(w, j, t, 2 + column)[lane];
+    // Group j's features (gated: its 8; else its 16, rows g and g + 8 here).
+    const int low = (first_group + j) * (kGated ? 8 : 16) + g;
+    store_group_sums<EPILOGUE>(out, out_f32, bias, row, out_features, low, low + 8, low_sum, high_sum);
+  }
+  if constexpr (EPILOGUE == Epilogue::ResidualNorm)
+    finish_residual_norm(norm, static_cast<const bf16*>(out), rows, out_features, residual_norm_vectors);
+}
+
+// A tensor map of a row-major bf16 [rows, columns] matrix, copied in boxes
+// of box_rows rows x `boxes` K boxes of box_columns columns, swizzled by 128
+// bytes where a box row is 128 bytes (else not: tma_read_kernel's wider
+// boxes). Where box_columns divides the columns, the map is three-dimensional
+// (box_columns, columns / box_columns, rows), so that one copy takes several
+// K boxes (coordinates: 0, the first K box, the first row); else it is
+// (columns, 1, rows), a copy takes one K box and zero-fills it past the
+// columns (coordinates: the first column, 0, the first row). Kept per
+// (address, shape), so a step replayed eagerly encodes its products' maps once.
+CUtensorMap tensor_map(const bf16* base, int rows, int columns, int box_rows, int box_columns, int boxes) {
+  static const auto encode = [] {
+    void* function = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault, &found));
+    DSPARK_CHECK(found == cudaDriverEntryPointSuccess && function, "the CUDA driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function);
   }();
+  static std::mutex mutex;
+  static std::map<std::tuple<const bf16*, int, int, int, int, int>, CUtensorMap> maps;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(base, rows, columns, box_rows, box_columns, boxes);
+  if (auto found = maps.find(key); found != maps.end()) return found->second;
+  const bool boxes_dimension = columns % box_columns == 0;
+  DSPARK_CHECK(boxes_dimension || boxes == 1, "a tensor map of ", columns, " columns takes one box of ", box_columns,
+               " a copy");
+  const cuuint64_t row_bytes = cuuint64_t(columns) * sizeof(bf16);
+  const cuuint64_t dimensions[3] = {cuuint64_t(boxes_dimension ? box_columns : columns),
+                                    cuuint64_t(boxes_dimension ? columns / box_columns : 1), cuuint64_t(rows)};
+  const cuuint64_t strides[2] = {boxes_dimension ? box_columns * sizeof(bf16) : row_bytes, row_bytes};
+  const cuuint32_t box[3] = {cuuint32_t(box_columns), cuuint32_t(boxes), cuuint32_t(box_rows)};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  CUtensorMap map{};
+  const CUresult result =
+      encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(base), dimensions, strides, box,
+             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             box_columns == kStreamBoxColumns ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  DSPARK_CHECK(result == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (", int(result), ") for a ", rows, " x ", columns,
+               " bf16 tensor in boxes of ", box_rows, " x ", boxes, " x ", box_columns);
+  return maps.emplace(key, map).first->second;
+}
+
+// Whether the streamed GEMV can run a product: 17-32 rows; at most
+// kStreamMostGroups groups a block; rows of 16-byte multiples (the TMA's
+// strides) starting 16-byte aligned.
+// weight_rows: the weight's (gated: its gate and up rows).
+bool streamed_gemv_fits(int rows, int in, int weight_rows) {
+  static const int multiprocessors = multiprocessor_count();
+  const int groups = ceil_div(weight_rows, 16);
+  return rows > 16 && rows <= kStreamTiles * 8 && in % 8 == 0 && ceil_div(groups, multiprocessors) <= kStreamMostGroups;
+}
+
+template <Epilogue EPILOGUE>
+void streamed_gemv_forward(void* out, MatmulOutput out_type, const bf16* x, const bf16* weight, const bf16* bias,
+                           int rows, int in, int out_features, const ResidualNorm& norm, cudaStream_t stream) {
+  constexpr bool kGated = EPILOGUE == Epilogue::Silu || EPILOGUE == Epilogue::GeluTanh;
+  DSPARK_CHECK(streamed_gemv_fits(rows, in, kGated ? 2 * out_features : out_features) &&
+                   reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0,
+               "the streamed GEMV cannot run ", rows, " rows of ", in, " features into ", out_features);
+  StreamedShape shape;
+  shape.in = in;
+  shape.groups = ceil_div(out_features, kGated ? 8 : 16);
+  static const int multiprocessors = multiprocessor_count();
+  const int blocks = std::min(shape.groups, multiprocessors);
+  shape.most_groups = ceil_div(shape.groups, blocks);
+  const int copy_rows = (kGated ? 8 : 16) * shape.most_groups;
+  // K boxes a chunk: the fewest odd number whose weight copies carry
+  // kStreamCopyBytes, at most K's boxes and as many as leave
+  // kStreamMinStages slots; one where K is not a whole number of boxes.
+  const int k_boxes = ceil_div(in, kStreamBoxColumns);
+  shape.chunk_boxes = 1;
+  if (in % kStreamBoxColumns == 0) {
+    shape.chunk_boxes = std::min(ceil_div(kStreamCopyBytes, copy_rows * kStreamRowBytes), k_boxes) | 1;
+    while (shape.chunk_boxes > 1 && kStreamMinStages * shape.slot_bytes() > streamed_shared_bytes())
+      shape.chunk_boxes -= 2;
+  }
+  shape.chunks = ceil_div(k_boxes, shape.chunk_boxes);
+  shape.stages = std::min(kStreamMaxStages, streamed_shared_bytes() / shape.slot_bytes());
+  DSPARK_CHECK(shape.stages >= 2, "the streamed GEMV's slot of ", shape.slot_bytes(), " bytes leaves no ring");
+  // The instantiations by the groups' registers: 2, 4, 6, 8 groups.
+  static constexpr decltype(&streamed_gemv_kernel<2, EPILOGUE>) kernels[] = {
+      streamed_gemv_kernel<2, EPILOGUE>, streamed_gemv_kernel<4, EPILOGUE>, streamed_gemv_kernel<6, EPILOGUE>,
+      streamed_gemv_kernel<8, EPILOGUE>};
+  static constexpr int kPartialBytes[] = {kStreamPartialBytes<2>, kStreamPartialBytes<4>, kStreamPartialBytes<6>,
+                                          kStreamPartialBytes<8>};
+  static_assert(kStreamPartialBytes<kStreamMostGroups> <= 200 * 1024, "the warps' sums fit the ring's memory");
+  const int instance = (shape.most_groups + 1) / 2 - 1;
+  const int shared_bytes = std::max(shape.stages * shape.slot_bytes(), kPartialBytes[instance]) + 1024;  // + alignment
+  DSPARK_CHECK(shared_bytes <= streamed_shared_bytes() + 1024, "the streamed GEMV's sums need ", shared_bytes,
+               " bytes of shared memory");
+  const int weight_rows = kGated ? 2 * out_features : out_features;
+  const int boxes = shape.chunk_boxes;
+  const CUtensorMap most_map = tensor_map(weight, weight_rows, in, copy_rows, kStreamBoxColumns, boxes);
+  const CUtensorMap fewer_map =
+      shape.most_groups > 1
+          ? tensor_map(weight, weight_rows, in, copy_rows - (kGated ? 8 : 16), kStreamBoxColumns, boxes)
+          : most_map;
+  const CUtensorMap x_map = tensor_map(x, rows, in, kStreamTiles * 8, kStreamBoxColumns, boxes);
+  const int vectors = EPILOGUE == Epilogue::ResidualNorm ? residual_norm_vectors(out_features, norm.tap_stride) : 0;
+  static const bool opted_in = [] {
+    for (auto kernel : kernels)
+      CUDA_CHECK(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, streamed_shared_bytes() + 1024));
+    return true;
+  }();
+  (void)opted_in;
+  launch_dependent(kernels[instance], blocks, kStreamWarps * 32, shared_bytes, stream, most_map, fewer_map, x_map, out,
+                   out_type == MatmulOutput::F32, bias, rows, out_features, shape, norm, vectors);
+  CUDA_CHECK_LAUNCH();
+}
+
+// The TMA's read rate alone, for the streamed GEMV's copies: one block an SM,
+// one thread copying its run of whole boxes of a [rows, columns] matrix, K
+// box by K box as the GEMV does, through a ring of `stages` slots (up to
+// kTmaReadStages: as many 1 KB boxes in flight as the GEMV's ring holds), and
+// discarding them (measure_tma_read_bandwidth).
+constexpr int kTmaReadStages = 128;
+__global__ void __launch_bounds__(32, 1) tma_read_kernel(const __grid_constant__ CUtensorMap map, int row_boxes,
+                                                         int column_boxes, int box_rows, int box_columns, int stages) {
+  extern __shared__ uint8_t dynamic_shared[];
+  uint8_t* const ring = dynamic_shared + ((1024 - shared_address(dynamic_shared) % 1024) % 1024);
+  __shared__ uint64_t full[kTmaReadStages];
+  if (threadIdx.x != 0) return;
+  const int first = static_cast<int>(long(blockIdx.x) * row_boxes / gridDim.x);
+  const int run = static_cast<int>(long(blockIdx.x + 1) * row_boxes / gridDim.x) - first;
+  const int box_bytes = box_rows * box_columns * 2, copies = run * column_boxes;
+  for (int s = 0; s < stages; ++s) barrier_init(&full[s], 1);
+  barrier_init_fence();
+  for (int i = 0; i < copies + stages; ++i) {
+    if (i >= stages) barrier_wait(&full[(i - stages) % stages], ((i - stages) / stages) & 1);
+    if (i >= copies) continue;
+    barrier_arrive_expecting(&full[i % stages], box_bytes);
+    tma_load_box(ring + (i % stages) * box_bytes, &map, 0, i / run, (first + i % run) * box_rows, &full[i % stages]);
+  }
+}
+
+// The GEMV kernels that can run a product of a weight of weight_rows rows
+// (gated: its gate and up rows) (DSPARK_GEMV=0: none, cuBLASLt only;
+// DSPARK_GEMV_STREAMED=0: all but the streamed one, for comparison).
+std::vector<GemvKernel> gemv_kernels(int rows, int in, int weight_rows) {
+  const auto not_off = [](const char* name) {
+    const char* setting = std::getenv(name);
+    return !setting || std::string(setting) != "0";
+  };
+  static const bool enabled = not_off("DSPARK_GEMV"), streamed = not_off("DSPARK_GEMV_STREAMED");
   std::vector<GemvKernel> kernels;
   if (!enabled) return kernels;
   if (rows <= kGemvMaxRows && in % 8 == 0) {
@@ -404,6 +760,7 @@ std::vector<GemvKernel> gemv_kernels(int rows, int in) {
   }
   if (rows <= kMmaMaxRows && in % 32 == 0) kernels.push_back(GemvKernel::TensorCores);
   if (rows > 16 && rows <= kMmaMaxRows && in % 32 == 0) kernels.push_back(GemvKernel::TensorCoresInRowGroups);
+  if (streamed && streamed_gemv_fits(rows, in, weight_rows)) kernels.push_back(GemvKernel::TensorCoresStreamed);
   return kernels;
 }
 
@@ -438,7 +795,9 @@ void gemv_path(void* out, MatmulOutput out_type, Epilogue epilogue, const bf16* 
                cudaStream_t stream) {
   const auto run = [&](auto kind) {
     constexpr Epilogue kEpilogue = decltype(kind)::value;
-    if (kernel == GemvKernel::TensorCores || kernel == GemvKernel::TensorCoresInRowGroups)
+    if (kernel == GemvKernel::TensorCoresStreamed)
+      streamed_gemv_forward<kEpilogue>(out, out_type, x, weight, bias, rows, in_features, out_features, norm, stream);
+    else if (kernel == GemvKernel::TensorCores || kernel == GemvKernel::TensorCoresInRowGroups)
       tensor_gemv_forward<kEpilogue>(out, out_type, x, weight, bias, rows, in_features, out_features, norm, few_waves,
                                      kernel == GemvKernel::TensorCoresInRowGroups, stream);
     else
@@ -584,8 +943,12 @@ class MatmulContext {
     std::string times;
     for (const MatmulPath& path : candidates) {
       const float time = time_launches([&](cudaStream_t on) { run(path, on); }, stream);
-      static const char* const names[] = {"cuBLASLt", "GEMV 1 feature/warp", "GEMV 4 features/warp",
-                                          "GEMV tensor cores", "GEMV tensor cores in row groups"};
+      static const char* const names[] = {"cuBLASLt",
+                                          "GEMV 1 feature/warp",
+                                          "GEMV 4 features/warp",
+                                          "GEMV tensor cores",
+                                          "GEMV tensor cores in row groups",
+                                          "GEMV tensor cores streamed"};
       times += std::string(times.empty() ? "" : ", ") + names[int(path.gemv)] + (path.fused ? "" : " unfused") + " " +
                std::to_string(1e3f * time);
       if (time < best) best = time, chosen = path;
@@ -680,7 +1043,7 @@ void matmul(void* out, MatmulOutput out_type, Epilogue epilogue, const bf16* x, 
   const PathKey key = std::make_tuple(choice_rows(rows), in_features, out_features, out_type, bias != nullptr,
                                       static_cast<int>(epilogue), kernels_allowed);
   if (const std::optional<MatmulPath> path = matmul.chosen(key)) return run(*path, stream);
-  std::vector<GemvKernel> kernels = gemv_kernels(rows, in_features);
+  std::vector<GemvKernel> kernels = gemv_kernels(rows, in_features, product_features);
   if (epilogue == Epilogue::ResidualNorm && residual_norm_vectors(out_features, norm.tap_stride) == 0)
     kernels.clear();  // (the unfused path would do; not worth a case: no model of ours has such rows)
   // The target's decode and verify steps: the tensor-core GEMV alone (fused
@@ -808,13 +1171,35 @@ void matmul_residual_rmsnorm_forward(bf16* delta, const bf16* x, const bf16* wei
 void gemv_matmul_forward(void* out, MatmulOutput out_type, GemvEpilogue epilogue, GemvKernel kernel, const bf16* x,
                          const bf16* weight, const bf16* bias, int rows, int in_features, int out_features,
                          const ResidualNorm& norm, cudaStream_t stream) {
-  const std::vector<GemvKernel> kernels = gemv_kernels(rows, in_features);
+  const bool gated = epilogue == Epilogue::Silu || epilogue == Epilogue::GeluTanh;
+  const std::vector<GemvKernel> kernels = gemv_kernels(rows, in_features, gated ? 2 * out_features : out_features);
   DSPARK_CHECK(rows >= 1 && std::find(kernels.begin(), kernels.end(), kernel) != kernels.end(), "GEMV kernel ",
                int(kernel), " cannot run ", rows, " rows of ", in_features, " features");
   DSPARK_CHECK(epilogue == Epilogue::Store || out_type == MatmulOutput::BF16, "a fused GEMV epilogue writes bf16");
   DSPARK_CHECK(epilogue != Epilogue::ResidualNorm || residual_norm_vectors(out_features, norm.tap_stride) > 0,
                "the GEMV's norm takes rows of a multiple of 4 and at most 8192 features, not ", out_features);
   gemv_path(out, out_type, epilogue, x, weight, bias, rows, in_features, out_features, kernel, norm, true, stream);
+}
+
+double measure_tma_read_bandwidth(int rows, int columns, int box_rows, int box_columns) {
+  DSPARK_CHECK(box_rows >= 1 && box_rows <= 256 && rows % box_rows == 0 && columns % box_columns == 0 &&
+                   (box_columns == kStreamBoxColumns || (box_columns % 8 == 0 && box_columns <= 256)),
+               "measure_tma_read_bandwidth: boxes of ", box_rows, " x ", box_columns, " over ", rows, " x ", columns);
+  DeviceBuffer<bf16> matrix(size_t(rows) * columns);
+  CUDA_CHECK(cudaMemset(matrix.data(), 0, matrix.bytes()));
+  const CUtensorMap map = tensor_map(matrix.data(), rows, columns, box_rows, box_columns, 1);
+  const int box_bytes = box_rows * box_columns * 2;
+  const int stages = std::min(kTmaReadStages, streamed_shared_bytes() / box_bytes);
+  DSPARK_CHECK(stages >= 2, "measure_tma_read_bandwidth: a box of ", box_bytes, " bytes leaves no ring");
+  CUDA_CHECK(cudaFuncSetAttribute(tma_read_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  streamed_shared_bytes() + 1024));
+  const int blocks = multiprocessor_count();
+  const double milliseconds = median_milliseconds([&] {
+    tma_read_kernel<<<blocks, 32, stages * box_bytes + 1024>>>(map, rows / box_rows, columns / box_columns, box_rows,
+                                                               box_columns, stages);
+    CUDA_CHECK_LAUNCH();
+  });
+  return static_cast<double>(matrix.bytes()) / (milliseconds * 1e-3) / 1e9;
 }
 
 void cublaslt_matmul_forward(void* out, MatmulOutput out_type, const bf16* x, const bf16* weight, const bf16* bias,

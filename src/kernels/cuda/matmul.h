@@ -25,7 +25,9 @@ enum class MatmulOutput { BF16, F32 };
 // to 16 rows, the tensor-core GEMV alone, whose per-row sums do not depend on
 // how many rows share the product, so that a verify row has the bits of the
 // same row decoded alone and greedy speculative output is plain output bit
-// for bit (for 17-64 rows, whichever of it and cuBLASLt times faster).
+// for bit (for 17-64 rows, whichever of the GEMVs and cuBLASLt times
+// faster: where that is the streamed GEMV or the tensor-core GEMV the rows
+// keep those bits, where it is cuBLASLt they may not).
 // Any (the drafter, which has no such pairing): whichever kernel times
 // fastest (the tensor-core GEMV wins most of its 7-row shapes).
 enum class FewRowKernels { DecodeFamily, Any };
@@ -71,16 +73,32 @@ void matmul_residual_rmsnorm_forward(__nv_bfloat16* delta, const __nv_bfloat16* 
 // The GEMVs alone: on the CUDA cores with 1 or 4 output features per warp
 // (1..8 rows, in_features a multiple of 8), or on the tensor cores (1..64
 // rows, in_features a multiple of 32; past 16 rows also in groups of 16 rows,
-// a block row each). The products above time each against
+// a block row each, or streamed: 17..32 rows, at most 8 groups of 16 weight
+// rows a multiprocessor, in_features a multiple of 8, x and the weight
+// 16-byte aligned). The products above time each against
 // cuBLASLt on a shape's first use and keep the fastest; tests hold each to
 // the CPU and to the unfused kernels. Silu / GeluTanh: weight and bias are
 // gate|up, out [rows, out] the activation; ResidualNorm: out is the delta and
 // `norm` as above. Fused epilogues write bf16.
 enum class GemvEpilogue { Store, Silu, GeluTanh, ResidualNorm };
-enum class GemvKernel { None, OneFeaturePerWarp, FourFeaturesPerWarp, TensorCores, TensorCoresInRowGroups };
+enum class GemvKernel {
+  None,
+  OneFeaturePerWarp,
+  FourFeaturesPerWarp,
+  TensorCores,
+  TensorCoresInRowGroups,
+  // 17-32 rows and at most 8 groups of 16 weight rows an SM: one block an SM, the weights streamed
+  // through shared memory by the TMA, each output with the bits TensorCores gives it
+  TensorCoresStreamed,
+};
 void gemv_matmul_forward(void* out, MatmulOutput out_type, GemvEpilogue epilogue, GemvKernel kernel,
                          const __nv_bfloat16* x, const __nv_bfloat16* weight, const __nv_bfloat16* bias, int rows,
                          int in_features, int out_features, const ResidualNorm& norm, cudaStream_t stream);
+
+// GB/s that the streamed GEMV's copies (the TMA, one block an SM, boxes of
+// box_rows x box_columns: 64 columns swizzled by 128 bytes, or up to 256 not
+// swizzled) read a [rows, columns] bf16 matrix at, with no arithmetic.
+double measure_tma_read_bandwidth(int rows, int columns, int box_rows, int box_columns);
 
 // The product on cuBLASLt alone (the algorithm its heuristic gives the
 // shape's row class, as matmul_forward runs it): what benchmarks hold the
