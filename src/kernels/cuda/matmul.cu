@@ -465,10 +465,18 @@ struct StreamedShape {
   }
 };
 
-// The warps' sums of GROUPS groups, [warp][group][tile][4][lane], meet in the
-// ring's memory once it is drained.
-template <int GROUPS>
-constexpr int kStreamPartialBytes = kStreamWarps* GROUPS* kStreamTiles * 4 * 32 * sizeof(float);
+// The warps' sums of `groups` groups, [warp][group][tile][4][lane], meet in
+// the ring's memory once it is drained.
+constexpr int stream_partial_bytes(int groups) { return kStreamWarps * groups * kStreamTiles * 4 * 32 * sizeof(float); }
+static_assert(stream_partial_bytes(kStreamMostGroups) <= 200 * 1024, "the warps' sums fit the ring's memory");
+
+// The streamed GEMV's blocks for a product of `groups` groups (one an SM, at
+// most one a group), and the most groups one of them owns.
+int streamed_blocks(int groups) {
+  static const int multiprocessors = multiprocessor_count();
+  return std::min(groups, multiprocessors);
+}
+int streamed_most_groups(int groups) { return ceil_div(groups, streamed_blocks(groups)); }
 
 template <int GROUPS, Epilogue EPILOGUE>
 __global__ void __launch_bounds__(kStreamWarps * 32, 1)
@@ -649,14 +657,13 @@ CUtensorMap tensor_map(const bf16* base, int rows, int columns, int box_rows, in
   return maps.emplace(key, map).first->second;
 }
 
-// Whether the streamed GEMV can run a product: 17-32 rows; at most
-// kStreamMostGroups groups a block; rows of 16-byte multiples (the TMA's
-// strides) starting 16-byte aligned.
-// weight_rows: the weight's (gated: its gate and up rows).
+// Whether the streamed GEMV can run a product of a weight of weight_rows rows
+// (gated: its gate and up rows): 17-32 rows, at most kStreamMostGroups groups
+// a block, rows of 16-byte multiples (the TMA's strides; the forward also
+// checks that x and the weight start 16-byte aligned).
 bool streamed_gemv_fits(int rows, int in, int weight_rows) {
-  static const int multiprocessors = multiprocessor_count();
-  const int groups = ceil_div(weight_rows, 16);
-  return rows > 16 && rows <= kStreamTiles * 8 && in % 8 == 0 && ceil_div(groups, multiprocessors) <= kStreamMostGroups;
+  return rows > 16 && rows <= kStreamTiles * 8 && in % 8 == 0 &&
+         streamed_most_groups(ceil_div(weight_rows, 16)) <= kStreamMostGroups;
 }
 
 template <Epilogue EPILOGUE>
@@ -669,9 +676,8 @@ void streamed_gemv_forward(void* out, MatmulOutput out_type, const bf16* x, cons
   StreamedShape shape;
   shape.in = in;
   shape.groups = ceil_div(out_features, kGated ? 8 : 16);
-  static const int multiprocessors = multiprocessor_count();
-  const int blocks = std::min(shape.groups, multiprocessors);
-  shape.most_groups = ceil_div(shape.groups, blocks);
+  const int blocks = streamed_blocks(shape.groups);
+  shape.most_groups = streamed_most_groups(shape.groups);
   const int copy_rows = (kGated ? 8 : 16) * shape.most_groups;
   // K boxes a chunk: the fewest odd number whose weight copies carry
   // kStreamCopyBytes, at most K's boxes and as many as leave
@@ -690,11 +696,9 @@ void streamed_gemv_forward(void* out, MatmulOutput out_type, const bf16* x, cons
   static constexpr decltype(&streamed_gemv_kernel<2, EPILOGUE>) kernels[] = {
       streamed_gemv_kernel<2, EPILOGUE>, streamed_gemv_kernel<4, EPILOGUE>, streamed_gemv_kernel<6, EPILOGUE>,
       streamed_gemv_kernel<8, EPILOGUE>};
-  static constexpr int kPartialBytes[] = {kStreamPartialBytes<2>, kStreamPartialBytes<4>, kStreamPartialBytes<6>,
-                                          kStreamPartialBytes<8>};
-  static_assert(kStreamPartialBytes<kStreamMostGroups> <= 200 * 1024, "the warps' sums fit the ring's memory");
-  const int instance = (shape.most_groups + 1) / 2 - 1;
-  const int shared_bytes = std::max(shape.stages * shape.slot_bytes(), kPartialBytes[instance]) + 1024;  // + alignment
+  const int instance = (shape.most_groups + 1) / 2 - 1;  // of GROUPS = 2 * (instance + 1)
+  const int shared_bytes =
+      std::max(shape.stages * shape.slot_bytes(), stream_partial_bytes(2 * (instance + 1))) + 1024;  // + alignment
   DSPARK_CHECK(shared_bytes <= streamed_shared_bytes() + 1024, "the streamed GEMV's sums need ", shared_bytes,
                " bytes of shared memory");
   const int weight_rows = kGated ? 2 * out_features : out_features;
